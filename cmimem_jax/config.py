@@ -1,0 +1,136 @@
+"""Config validation shared by every entry point.
+
+Configs are `ml_collections.ConfigDict`s defined in `configs/*.py` and loaded
+with absl `config_flags` (`--config=configs/x.py --config.a.b=v`). Each
+section a config has is checked here before anything is built or compiled;
+all problems are reported together in one `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import ml_collections
+
+DATASETS = ("longmemeval", "locomo", "memoryagentbench")
+ENCODERS = ("hashing",)
+
+
+class ConfigError(ValueError):
+  """An invalid config; the message lists every problem found."""
+
+
+_MISSING = object()
+
+
+class _Checker:
+  """Collects problems instead of stopping at the first one."""
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    self.config = config
+    self.problems: list[str] = []
+
+  def get(self, path: str) -> object:
+    node = self.config
+    for part in path.split("."):
+      if not hasattr(node, "keys") or part not in node:
+        return _MISSING
+      node = node[part]
+    return node
+
+  def check(self, path: str, predicate: Callable[[object], bool],
+            requirement: str) -> None:
+    value = self.get(path)
+    if value is _MISSING:
+      self.problems.append(f"{path}: missing")
+      return
+    try:
+      ok = predicate(value)
+    except TypeError:
+      ok = False
+    if not ok:
+      self.problems.append(f"{path}={value!r}: must be {requirement}")
+
+
+def _positive_int(value: object) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _fraction(value: object) -> bool:
+  return isinstance(value, (int, float)) and 0.0 < value <= 1.0
+
+
+def _check_dataset(c: _Checker) -> None:
+  c.check("dataset.name", lambda v: v in DATASETS, f"one of {DATASETS}")
+  c.check("dataset.path", lambda v: isinstance(v, str) and os.path.exists(v),
+          "an existing file (see README for where the benchmarks live)")
+
+
+def _check_encoder(c: _Checker) -> None:
+  c.check("encoder.kind", lambda v: v in ENCODERS, f"one of {ENCODERS}")
+  c.check("encoder.dim", _positive_int, "a positive integer")
+
+
+def _check_memory(c: _Checker) -> None:
+  c.check("memory.core_cap_chars", _positive_int, "a positive integer")
+  c.check("memory.compress_trigger", _fraction, "in (0, 1]")
+  c.check("memory.compress_target_chars", _positive_int, "a positive integer")
+  c.check("memory.build_top_k", _positive_int, "a positive integer")
+  c.check("memory.qa_top_k", _positive_int, "a positive integer")
+  c.check("memory.chunk_budget_chars",
+          lambda v: isinstance(v, int) and v >= 0, "a non-negative integer")
+  c.check("memory.update_match_threshold",
+          lambda v: isinstance(v, float) and -1.0 <= v <= 1.0, "in [-1, 1]")
+  memory = c.config.get("memory")
+  if memory is not None and {"compress_target_chars", "core_cap_chars"} <= set(
+      memory.keys()) and memory.compress_target_chars > memory.core_cap_chars:
+    c.problems.append("memory.compress_target_chars must not exceed "
+                      "memory.core_cap_chars")
+
+
+_SECTIONS: dict[str, Callable[[_Checker], None]] = {
+    "dataset": _check_dataset,
+    "encoder": _check_encoder,
+    "memory": _check_memory,
+}
+
+
+def register_section(name: str, check: Callable[[_Checker], None]) -> None:
+  """Adds the validator for a config section (used by later subsystems)."""
+  _SECTIONS[name] = check
+
+
+def validate_config(config: ml_collections.ConfigDict,
+                    required: tuple[str, ...] = ()) -> None:
+  """Checks every known section present in `config`.
+
+  Args:
+    config: The loaded config.
+    required: Sections the caller needs; their absence is an error.
+
+  Raises:
+    ConfigError: listing every problem, one per line.
+  """
+  checker = _Checker(config)
+  for section in required:
+    if section not in config:
+      checker.problems.append(f"{section}: missing section")
+  for section, check in _SECTIONS.items():
+    if section in config:
+      check(checker)
+  if checker.problems:
+    raise ConfigError("invalid config:\n  " + "\n  ".join(checker.problems))
+
+
+def memory_defaults() -> ml_collections.ConfigDict:
+  """Table 6 memory settings, shared by every config file."""
+  return ml_collections.ConfigDict({
+      "core_cap_chars": 5000,
+      "compress_trigger": 0.9,
+      "compress_target_chars": 3000,
+      "build_top_k": 20,
+      "qa_top_k": 10,
+      "chunk_budget_chars": 8000,
+      "update_match_threshold": 0.9,
+  })

@@ -1,0 +1,170 @@
+"""The policy's compact DSL (paper Listing 6): parse and render.
+
+One operation per line, `TYPE:ACTION|field1|field2`. A response is valid when
+it has no malformed line, exactly one CORE line (APPEND/REPLACE/REWRITE), and
+for each of EPISODIC, SEMANTIC, PROCEDURAL either one or more writing lines
+or a single SKIP line. Blank lines are allowed and a leading
+`<think>...</think>` block is stripped. `parse` never raises on model output.
+
+`EPISODIC:MERGE|old 1|old 2|...|new` consolidates >= 2 episodic memories
+(Listing 2's MERGE in DSL form; Listing 6 itself does not advertise it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable
+
+from cmimem_jax.memory.types import (ENTRY_TYPES, Action, MemoryType,
+                                     Operation, validate_operation)
+
+SEPARATOR = "|"
+_THINK_OPEN = "<think>"
+_THINK_CLOSE = "</think>"
+_LINE = re.compile(r"^\s*([A-Za-z_]+)\s*:\s*([A-Za-z_]+)\s*(\|.*)?$", re.DOTALL)
+_TYPES_BY_NAME = {t.dsl_name: t for t in MemoryType}
+_ACTIONS_BY_NAME = {a.value: a for a in Action}
+
+
+@dataclasses.dataclass(frozen=True)
+class LineError:
+  """Why a line (or, with `line` None, the response as a whole) is invalid."""
+  line: int | None  # 0-based line index in the response.
+  text: str
+  message: str
+
+  def __str__(self) -> str:
+    where = "response" if self.line is None else f"line {self.line + 1}"
+    return f"{where}: {self.message}" + (f" ({self.text!r})" if self.text else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedResponse:
+  """Result of `parse`: the well-formed operations and every error found."""
+  text: str
+  operations: tuple[Operation, ...]
+  errors: tuple[LineError, ...]
+
+  @property
+  def valid(self) -> bool:
+    """Whole-response validity (Listing 6 rules); gates the reward."""
+    return not self.errors
+
+  @property
+  def writing_operations(self) -> tuple[Operation, ...]:
+    return tuple(op for op in self.operations if op.writes)
+
+
+def _strip_think(text: str) -> tuple[int, LineError | None]:
+  """Returns where the DSL body starts, skipping a leading think block."""
+  stripped = text.lstrip()
+  if not stripped.startswith(_THINK_OPEN):
+    return 0, None
+  start = len(text) - len(stripped)
+  close = text.find(_THINK_CLOSE, start)
+  if close < 0:
+    return len(text), LineError(None, "", "unterminated <think> block")
+  return close + len(_THINK_CLOSE), None
+
+
+def _parse_line(line: str) -> Operation | str:
+  """Parses one non-blank line into an operation, or returns the error."""
+  match = _LINE.match(line)
+  if not match:
+    return "not a TYPE:ACTION|field line"
+  type_name, action_name, rest = match.groups()
+  memory_type = _TYPES_BY_NAME.get(type_name.upper())
+  if memory_type is None:
+    return f"unknown memory type {type_name!r}"
+  action = _ACTIONS_BY_NAME.get(action_name.upper())
+  if action is None:
+    return f"unknown action {action_name!r}"
+  fields = tuple(f.strip() for f in rest.split(SEPARATOR)[1:]) if rest else ()
+  op = Operation(memory_type, action, fields)
+  return validate_operation(op) or op
+
+
+def response_errors(operations: Iterable[Operation]) -> list[LineError]:
+  """Checks the per-type counts that make a whole response valid."""
+  by_type: dict[MemoryType, list[Operation]] = {t: [] for t in MemoryType}
+  for op in operations:
+    by_type[op.memory_type].append(op)
+  errors = []
+  if len(by_type[MemoryType.CORE]) != 1:
+    errors.append(LineError(None, "", "expected exactly one CORE line, got "
+                            f"{len(by_type[MemoryType.CORE])}"))
+  for memory_type in ENTRY_TYPES:
+    ops = by_type[memory_type]
+    skips = sum(not op.writes for op in ops)
+    name = memory_type.dsl_name
+    if not ops:
+      errors.append(LineError(None, "", f"no {name} line (use {name}:SKIP "
+                              "when nothing applies)"))
+    elif skips and (skips > 1 or len(ops) > 1):
+      errors.append(LineError(None, "", f"{name}:SKIP must be the only "
+                              f"{name} line"))
+  return errors
+
+
+def parse(text: str) -> ParsedResponse:
+  """Parses a policy response into operations and per-line errors.
+
+  Args:
+    text: The raw model output.
+
+  Returns:
+    A `ParsedResponse` whose `operations` are the well-formed lines (with
+    their line index and character span in `text`) and whose `errors` list
+    every malformed line plus response-level violations. Never raises.
+  """
+  if not isinstance(text, str):
+    return ParsedResponse("", (), (LineError(None, "", "response is not text"),))
+  body_start, think_error = _strip_think(text)
+  errors = [think_error] if think_error else []
+  operations = []
+  offset = body_start
+  for line_index, line in enumerate(text[body_start:].split("\n")):
+    span = (offset, offset + len(line))
+    offset = span[1] + 1
+    if not line.strip():
+      continue
+    result = _parse_line(line)
+    if isinstance(result, str):
+      errors.append(LineError(line_index, line.strip()[:200], result))
+    else:
+      operations.append(dataclasses.replace(result, line=line_index, span=span))
+  errors.extend(response_errors(operations))
+  return ParsedResponse(text, tuple(operations), tuple(errors))
+
+
+def clean_field(text: str) -> str:
+  """Makes arbitrary text usable as one DSL field.
+
+  The separator and line breaks cannot appear inside a field (the prompt
+  tells the model so); they become " / " and spaces.
+  """
+  text = text.replace(SEPARATOR, " / ")
+  return " ".join(text.split())
+
+
+def render(operations: Iterable[Operation]) -> str:
+  """Renders operations as DSL lines; `parse(render(ops)).operations == ops`.
+
+  Raises:
+    ValueError: if an operation is malformed or a field contains the
+      separator, a line break, or surrounding whitespace (use `clean_field`).
+  """
+  lines = []
+  for op in operations:
+    error = validate_operation(op)
+    if error:
+      raise ValueError(f"cannot render {op}: {error}")
+    for field in op.fields:
+      if (SEPARATOR in field or "\n" in field or "\r" in field
+          or field != field.strip()):
+        raise ValueError(f"field {field!r} is not DSL-safe; pass it through "
+                         "clean_field() first")
+    head = f"{op.memory_type.dsl_name}:{op.action.value}"
+    lines.append(SEPARATOR.join((head,) + op.fields))
+  return "\n".join(lines)

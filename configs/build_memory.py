@@ -1,0 +1,23 @@
+"""Builds LoCoMo memory banks with the annotation policy (model-free demo).
+
+  python -m cmimem_jax.build_memory --config=configs/build_memory.py \
+      --workdir=/tmp/banks --config.dataset.dialogues=3
+"""
+
+import ml_collections
+
+from cmimem_jax.config import memory_defaults
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.dataset = ml_collections.ConfigDict({
+      "name": "locomo",
+      "path": "../shared/data/locomo/locomo10.json",
+      "dialogues": 1,  # How many conversations to build (from the first).
+  })
+  config.encoder = ml_collections.ConfigDict({"kind": "hashing", "dim": 512})
+  config.memory = memory_defaults()
+  config.policy = "annotations"
+  config.show_questions = 3  # Retrieval examples printed per conversation.
+  return config

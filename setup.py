@@ -1,0 +1,34 @@
+"""cmimem_jax: CMI-Mem (RL-trained long-term memory manager) in JAX/Flax NNX."""
+
+import pathlib
+
+import setuptools
+
+_HERE = pathlib.Path(__file__).parent
+
+
+def _requirements() -> list[str]:
+  lines = (_HERE / "requirements.txt").read_text().splitlines()
+  return [l.strip() for l in lines if l.strip() and not l.startswith("#")]
+
+
+setuptools.setup(
+    name="cmimem_jax",
+    version="0.1.0",
+    description=__doc__,
+    long_description=(_HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=setuptools.find_packages(include=["cmimem_jax", "cmimem_jax.*"]),
+    python_requires=">=3.10",
+    install_requires=_requirements(),
+    extras_require={
+        # torch is a parity/benchmark peer only; the runtime never imports it.
+        "test": [
+            "torch==2.13.0",
+            "pytest>=9.0",
+            "pytest-timeout>=2.4.0",
+            "hypothesis>=6.170",
+        ],
+    },
+    license="Apache-2.0",
+)
