@@ -1,0 +1,156 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cmimem_jax.cmi import residual_cmi, residual_cmi_unchecked
+from cmimem_jax.cmi.kernel import _rho_jit
+
+from reference import residual_cmi_reference  # noqa: I100
+
+
+def _inputs(rng, batch, n, d, mask_prob=0.8):
+  return (rng.normal(size=(batch, d)).astype(np.float32),
+          rng.normal(size=(batch, d)).astype(np.float32),
+          rng.normal(size=(batch, n, d)).astype(np.float32),
+          rng.random((batch, n)) < mask_prob)
+
+
+def _check(inputs, atol, **kwargs):
+  got = np.asarray(residual_cmi(*inputs, **kwargs))
+  want = residual_cmi_reference(*inputs, **kwargs)
+  assert got.dtype == np.float32 and got.shape == want.shape
+  np.testing.assert_allclose(got, want, atol=atol, rtol=0)
+  return got
+
+
+@pytest.mark.parametrize("n,d", [(0, 16), (1, 16), (2, 8), (8, 384), (20, 64)])
+def test_random_inputs(n, d):
+  _check(_inputs(np.random.default_rng(n), 64, n, d), atol=1e-5)
+
+
+def test_mixed_masks_in_one_batch_compile_once():
+  rng = np.random.default_rng(1)
+  e_c, e_n, mem, _ = _inputs(rng, 12, 6, 32)
+  mask = np.zeros((12, 6), bool)
+  for row in range(12):  # 0..6 valid memories, scattered positions
+    mask[row, rng.permutation(6)[: row % 7]] = True
+  before = _rho_jit._cache_size()
+  got = _check((e_c, e_n, mem, mask), atol=1e-5)
+  # Rows under min_memories take the cosine fallback.
+  few = mask.sum(1) < 2
+  cos = np.sum(e_c * e_n, 1) / np.linalg.norm(e_c, axis=1) / np.linalg.norm(e_n, axis=1)
+  np.testing.assert_allclose(got[few], cos[few], atol=1e-6)
+  mask2 = rng.random((12, 6)) < 0.5
+  _check((e_c, e_n, mem, mask2), atol=1e-5)
+  _check((e_c, e_n, mem, mask2), atol=1e-5, min_memories=3, lam=1e-3)
+  assert _rho_jit._cache_size() - before == 1
+
+
+def test_realistic_embeddings():
+  """Embeddings of real encoders share a mean direction and live near a
+  low-dimensional subspace; the test encoder gives such vectors for text."""
+  from cmimem_jax.encoders import HashingEncoder
+  encoder = HashingEncoder(256)
+  texts = [f"Caroline went to the {w} on day {i}" for i, w in enumerate(
+      ["park", "gym", "lake", "support group", "museum", "beach"] * 5)]
+  vectors = encoder.encode(texts)
+  rng = np.random.default_rng(2)
+  picks = np.stack([rng.permutation(len(texts))[:10] for _ in range(16)])
+  # Distinct memories; context and fragment are other texts (degenerate
+  # overlaps are tested separately).
+  inputs = (vectors[picks[:, 8]], vectors[picks[:, 9]], vectors[picks[:, :8]],
+            np.ones((16, 8), bool))
+  _check(inputs, atol=1e-5)
+
+
+def test_degenerate_inputs():
+  rng = np.random.default_rng(3)
+  e_c, e_n, mem, _ = _inputs(rng, 64, 8, 64)
+  full = np.ones((64, 8), bool)
+  dup = mem.copy()
+  dup[:, 1] = dup[:, 0]
+  dup[:, 2] = 3 * dup[:, 0]  # Same direction, other scale.
+  _check((e_c, e_n, dup, full), atol=1e-4)
+  zeros = mem.copy()
+  zeros[:, :3] = 0.0  # Zero memories behave like masked ones.
+  _check((e_c, e_n, zeros, full), atol=1e-4)
+  np.testing.assert_allclose(
+      residual_cmi(e_c, e_n, zeros, full),
+      residual_cmi(e_c, e_n, mem, (np.arange(8) >= 3) & full), atol=1e-6)
+  # e_new equal to a stored memory: its residual is ~λ, not 0.
+  same = mem[:, 5].copy()
+  got = _check((e_c, same, mem, full), atol=1e-5)  # Anchored solve: ~1e-6.
+  assert np.all(np.abs(got) < 0.05)
+  # Worst case: the repeated memory is itself stored three times (G is
+  # rank-deficient up to λ). float32 then resolves the ~λ/3 residual to
+  # ~1e-4 (see kernel docstring).
+  _check((e_c, dup[:, 0].copy(), dup, full), atol=1e-3)
+  # Zero context or fragment: rho 0, not NaN.
+  zero = np.zeros_like(e_c)
+  assert np.all(np.asarray(residual_cmi(zero, e_n, mem, full)) == 0)
+  assert np.all(np.asarray(residual_cmi(zero, e_n, mem, ~full)) == 0)
+  # e_new == e_ctx with no memories: cosine 1.
+  np.testing.assert_allclose(residual_cmi(e_c, e_c, mem, ~full), 1, atol=1e-6)
+
+
+def test_extreme_but_finite_inputs_stay_finite():
+  rng = np.random.default_rng(4)
+  e_c, e_n, mem, mask = _inputs(rng, 32, 8, 16)
+  for scale in (1e-30, 1e30):
+    got = np.asarray(residual_cmi(e_c * scale, e_n * scale, mem * scale, mask))
+    assert np.all(np.isfinite(got)) and np.all(np.abs(got) <= 1)
+  huge = np.full_like(mem, 3e38)
+  assert np.all(np.isfinite(np.asarray(residual_cmi(e_c, e_n, huge, mask))))
+
+
+def test_invalid_inputs_raise_clearly():
+  rng = np.random.default_rng(5)
+  e_c, e_n, mem, mask = _inputs(rng, 4, 3, 8)
+  bad = mem.copy()
+  bad[2, 1, 0] = np.nan
+  with pytest.raises(ValueError, match=r"mem has NaN/inf values in 1 row\(s\), first rows \[2\]"):
+    residual_cmi(e_c, e_n, bad, mask)
+  inf = e_n.copy()
+  inf[0, 0] = np.inf
+  with pytest.raises(ValueError, match="e_new has NaN/inf"):
+    residual_cmi(e_c, inf, mem, mask)
+  with pytest.raises(ValueError, match=r"e_new must be \[4, 8\]"):
+    residual_cmi(e_c, e_n[:, :4], mem, mask)
+  with pytest.raises(ValueError, match=r"mem must be \[B, N, d\]"):
+    residual_cmi(e_c, e_n, mem[0], mask)
+  with pytest.raises(ValueError, match="lam must be positive"):
+    residual_cmi(e_c, e_n, mem, mask, lam=0.0)
+
+
+def test_gradients_match_finite_differences():
+  rng = np.random.default_rng(6)
+  e_c, e_n, mem, mask = (jnp.asarray(x) for x in _inputs(rng, 3, 4, 6))
+  mask = mask.at[:, :2].set(True)
+
+  def loss(e_new):
+    return jnp.sum(residual_cmi(e_c, e_new, mem, mask) * jnp.arange(1.0, 4.0))
+
+  grad = jax.grad(loss)(e_n)
+  assert np.all(np.isfinite(np.asarray(grad)))
+  eps = 1e-2
+  direction = jnp.asarray(rng.normal(size=e_n.shape), jnp.float32)
+  numeric = (loss(e_n + eps * direction) - loss(e_n - eps * direction)) / (2 * eps)
+  np.testing.assert_allclose(jnp.sum(grad * direction), numeric, rtol=2e-2,
+                             atol=1e-4)
+  # Gradients stay finite through masked rows, zero vectors and the guard.
+  zero_grad = jax.grad(lambda m: jnp.sum(residual_cmi_unchecked(
+      e_c, e_n, m, mask)))(mem.at[:, 0].set(0.0))
+  assert np.all(np.isfinite(np.asarray(zero_grad)))
+
+
+def test_vmap_and_jit_compose():
+  rng = np.random.default_rng(7)
+  stacks = [np.stack(x) for x in zip(*[_inputs(rng, 5, 4, 8) for _ in range(3)])]
+  batched = jax.vmap(residual_cmi_unchecked)(*(jnp.asarray(s) for s in stacks))
+  for i in range(3):
+    np.testing.assert_allclose(
+        batched[i], residual_cmi(*(s[i] for s in stacks)), atol=1e-6)
+  jitted = jax.jit(residual_cmi)(*(s[0] for s in stacks))
+  np.testing.assert_allclose(jitted, residual_cmi(*(s[0] for s in stacks)),
+                             atol=1e-6)
