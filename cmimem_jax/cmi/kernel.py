@@ -66,14 +66,14 @@ def choose_anchors(alignment: jax.Array, gram_diagonal: jax.Array,
   """Anchors each unit query at its most aligned valid unit memory.
 
   Args:
-    alignment: `[B, K, N]` cosines `ê·m̂`.
-    gram_diagonal: `[B, N]` `|m̂|² + λ` (about 1 + λ for real memories).
-    mask: `[B, N]` float {0, 1}.
+    alignment: `[..., K, N]` cosines `ê·m̂`.
+    gram_diagonal: `[..., N]` `|m̂|²` (+ λ): about 1 for real memories.
+    mask: `[..., N]` float {0, 1}.
   """
-  index = jnp.argmax(jnp.abs(alignment * mask[:, None, :]), axis=-1)
+  index = jnp.argmax(jnp.abs(alignment * mask[..., None, :]), axis=-1)
   value = jnp.take_along_axis(alignment, index[..., None], -1)[..., 0]
-  usable = ((jnp.take_along_axis(mask, index, axis=1) > 0)
-            & (jnp.take_along_axis(gram_diagonal, index, axis=1) > 0.5))
+  usable = ((jnp.take_along_axis(mask, index, axis=-1) > 0)
+            & (jnp.take_along_axis(gram_diagonal, index, axis=-1) > 0.5))
   return Anchors(index, jnp.where(usable, jnp.sign(value), 0.0))
 
 
@@ -94,8 +94,46 @@ def solve_corrections(gram: jax.Array, rhs: jax.Array, anchors: Anchors,
   n = gram.shape[-1]
   z = anchors.sign[..., None] * jax.nn.one_hot(anchors.index, n,
                                                 dtype=jnp.float32)
-  factor = jnp.linalg.cholesky(gram)
-  return jsl.cho_solve((factor, True), rhs - lam * jnp.swapaxes(z, -1, -2))
+  rhs = rhs - lam * jnp.swapaxes(z, -1, -2)
+  if n <= UNROLL_MAX_N:
+    return _unrolled_cholesky_solve(gram, rhs)
+  return jsl.cho_solve((jnp.linalg.cholesky(gram), True), rhs)
+
+
+# Up to this N the factorisation is unrolled into [B]-vector ops (3-5x
+# faster on CPU than per-matrix LAPACK calls for N ~ 10; compile time grows
+# as N^2, so larger systems use XLA's Cholesky).
+UNROLL_MAX_N = 12
+
+
+def _unrolled_cholesky_solve(gram: jax.Array, rhs: jax.Array) -> jax.Array:
+  """`gram⁻¹ rhs` for `[..., N, N]` SPD `gram` and `[..., N, K]` `rhs`.
+
+  Column-oriented Cholesky: column j of L is a `[..., N]` vector, so each
+  step is one vectorised op over the batch.
+  """
+  n = gram.shape[-1]
+  rows = jnp.arange(n)
+  columns: list[jax.Array] = []
+  for j in range(n):
+    v = gram[..., :, j]
+    for k in range(j):
+      v = v - columns[k] * columns[k][..., j:j + 1]
+    columns.append(jnp.where(rows >= j, v * jax.lax.rsqrt(v[..., j:j + 1]),
+                             0.0))
+  forward: list[jax.Array] = []  # L y = rhs, eliminating column by column.
+  remaining = rhs
+  for k in range(n):
+    y = remaining[..., k, :] / columns[k][..., k:k + 1]
+    forward.append(y)
+    remaining = remaining - columns[k][..., :, None] * y[..., None, :]
+  solution: list[jax.Array | None] = [None] * n  # Lᵀ x = y.
+  for i in reversed(range(n)):
+    acc = forward[i]
+    for k in range(i + 1, n):
+      acc = acc - columns[i][..., k:k + 1] * solution[k]
+    solution[i] = acc / columns[i][..., i:i + 1]
+  return jnp.stack(solution, axis=-2)
 
 
 def partial_correlation(dot: jax.Array, sq_a: jax.Array, sq_b: jax.Array
@@ -123,14 +161,20 @@ def normalize_inputs(queries: jax.Array, memories: jax.Array,
 
 
 def normalized_residuals(queries: jax.Array, memories: jax.Array,
-                         mask: jax.Array, lam: jax.Array | float) -> jax.Array:
+                         mask: jax.Array, lam: jax.Array | float,
+                         gram: jax.Array | None = None,
+                         alignment: jax.Array | None = None) -> jax.Array:
   """`(I - P) q` for unit queries `[B, K, d]` and unit masked memories.
 
   Args:
     queries: `[B, K, d]` from `normalize_inputs`.
-    memories: `[B, N, d]` from `normalize_inputs` (masked rows zero).
+    memories: `[B, N, d]` unit rows; masked rows may hold anything when
+      `gram` and `alignment` are given (they must be masked), else zero.
     mask: `[B, N]` validity.
     lam: Tikhonov λ > 0.
+    gram: Optional precomputed `M̂M̂ᵀ` `[B, N, N]` (without λ), e.g.
+      gathered from a bank-level Gram (masked rows and columns zero).
+    alignment: Optional precomputed `q·m̂` `[B, K, N]`.
 
   Returns:
     `[B, K, d]` residuals.
@@ -138,16 +182,21 @@ def normalized_residuals(queries: jax.Array, memories: jax.Array,
   n = memories.shape[-2]
   if n == 0:
     return queries
-  gram = (jnp.einsum("bnd,bmd->bnm", memories, memories, precision=_HIGHEST)
-          + lam * jnp.eye(n, dtype=jnp.float32))
-  alignment = jnp.einsum("bkd,bnd->bkn", queries, memories,
-                         precision=_HIGHEST)
+  if gram is None:
+    gram = jnp.einsum("bnd,bmd->bnm", memories, memories, precision=_HIGHEST)
+  gram = gram + lam * jnp.eye(n, dtype=jnp.float32)
+  if alignment is None:
+    alignment = jnp.einsum("bkd,bnd->bkn", queries, memories,
+                           precision=_HIGHEST)
   anchors = choose_anchors(alignment, jnp.diagonal(gram, axis1=-2, axis2=-1),
                            mask.astype(jnp.float32))
   anchor_rows = jnp.take_along_axis(memories, anchors.index[..., None], axis=1)
   # Exact difference when a query repeats a memory (Sterbenz).
   shifted = queries - anchors.sign[..., None] * anchor_rows
-  rhs = jnp.einsum("bnd,bkd->bnk", memories, shifted, precision=_HIGHEST)
+  # Masking rhs (not the memories) zeroes w on masked slots, so masked rows
+  # never enter the residual even when they hold stale data.
+  rhs = (jnp.einsum("bnd,bkd->bnk", memories, shifted, precision=_HIGHEST)
+         * mask.astype(jnp.float32)[..., None])
   corrections = solve_corrections(gram, rhs, anchors, lam)
   return shifted - jnp.einsum("bnk,bnd->bkd", corrections, memories,
                               precision=_HIGHEST)
@@ -190,10 +239,19 @@ _normalize_jit = jax.jit(normalize_inputs)
 _rho_jit = jax.jit(rho_from_normalized)
 
 
+@jax.jit
+def _all_finite(x: jax.Array) -> jax.Array:
+  return jnp.all(jnp.isfinite(x))
+
+
 def check_finite(**arrays: jax.Array | np.ndarray) -> None:
   """Raises ValueError naming the first input with NaN/inf (eager only)."""
   for name, value in arrays.items():
     if isinstance(value, jax.core.Tracer):
+      continue
+    # Device arrays are checked where they live; only failures come back.
+    if bool(_all_finite(value) if isinstance(value, jax.Array)
+            else np.isfinite(value).all()):
       continue
     finite = np.isfinite(np.asarray(value))
     if not finite.all():

@@ -1,0 +1,487 @@
+"""The CMI-Mem reward (paper §3.3, Eq. 10-12, App. D; SPEC §4.3-4.4).
+
+Per rollout (one DSL response for a session `C_t` on a bank `M_{t-1}`):
+
+1. Score every writing operation with the residual CMI of its fragment given
+   its local conditioning set: add-like (ADD, MERGE, core APPEND)
+   `s = max(0, rho(new))`; update-like (UPDATE, core REPLACE, core REWRITE)
+   `s = rho(new) - rho(old)` (Eq. 10).
+2. Shape `g(s) = exp(-(s - mu)^2 / (2 sigma^2))` (Eq. 11) and average
+   (multi-item aggregation: mean). No scored operation: the empty-action
+   value; malformed response: the format penalty.
+3. `r = alpha·cmi + (1 - alpha)·r_QA` (Eq. 12), times the length, intra- and
+   cross-duplication and core-specificity factors, plus the semantic-SKIP
+   bonus; malformed responses get reward 0 (validity gate).
+4. Attribution: the DSL lines of the memory type retrieved most while
+   answering the session's QA get loss weight `attribution_weight`.
+
+All operations of all rollouts go through one `banked_rho` call. Every term
+is returned separately for logging.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from cmimem_jax.cmi.banked import banked_rho
+from cmimem_jax.cmi.conditioning import ConditioningConfig
+from cmimem_jax.cmi.kernel import normalize_inputs, normalized_residuals
+from cmimem_jax.encoders.base import Encoder
+from cmimem_jax.memory.bank import MemoryBank, embed_texts
+from cmimem_jax.memory.dsl import ParsedResponse
+from cmimem_jax.memory.types import (ENTRY_TYPES, UPDATE_LIKE, Action,
+                                     MemoryType, Operation)
+
+DEFAULT_GENERIC_CORE_PATTERNS = (
+    r"lifelong learner", r"enjoys? learning", r"loves? (to )?learn",
+    r"curious (person|individual|mind)", r"open[- ]minded",
+    r"values? (personal )?growth", r"passionate about life",
+    r"likes? (helping|to help) others", r"friendly and helpful",
+    r"positive attitude",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+  """Every constant of SPEC §4.3-4.4 (defaults: Table 7, App. D)."""
+  alpha: float = 0.3
+  shaping: str = "gaussian"  # "gaussian" | "none" (ablation: raw s)
+  mu: float = 0.35
+  sigma: float = 0.15
+  lam: float = 1e-4
+  min_memories: int = 2
+  conditioning: ConditioningConfig = ConditioningConfig()
+  empty_action_value: float = -0.5
+  format_penalty: float = -0.5
+  length_weight: float = 0.8
+  core_tokens_low: float = 150.0
+  core_tokens_high: float = 400.0
+  chars_per_token: float = 4.0
+  entry_chars_low: float = 300.0
+  entry_chars_high: float = 900.0
+  duplicate_cosine: float = 0.95
+  intra_duplicate_weight: float = 0.3
+  cross_duplicate_weight: float = 0.5
+  core_specificity_weight: float = 0.3
+  generic_core_patterns: tuple[str, ...] = DEFAULT_GENERIC_CORE_PATTERNS
+  semantic_skip_bonus: float = 0.1
+  attribution_weight: float = 4.0
+
+  def __post_init__(self):
+    if self.shaping not in ("gaussian", "none"):
+      raise ValueError(f"shaping must be 'gaussian' or 'none', got "
+                       f"{self.shaping!r}")
+    if not 0.0 <= self.alpha <= 1.0:
+      raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+    if self.sigma <= 0 or self.lam <= 0:
+      raise ValueError("sigma and lam must be positive")
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> RewardConfig:
+    """Builds from a `reward` config section (see `reward_defaults`)."""
+    values = dict(config)
+    conditioning = ConditioningConfig(**dict(values.pop("conditioning")))
+    patterns = tuple(values.pop("generic_core_patterns"))
+    return cls(conditioning=conditioning, generic_core_patterns=patterns,
+               **values)
+
+
+def reward_defaults() -> ml_collections.ConfigDict:
+  """The `reward` config section with Table 7 / App. D values."""
+  defaults = dataclasses.asdict(RewardConfig())
+  defaults["conditioning"] = dataclasses.asdict(ConditioningConfig())
+  defaults["generic_core_patterns"] = list(DEFAULT_GENERIC_CORE_PATTERNS)
+  return ml_collections.ConfigDict(defaults)
+
+
+def gaussian_shaping(score: np.ndarray | float, mu: float, sigma: float
+                     ) -> np.ndarray:
+  """Eq. 11: `exp(-(s - mu)^2 / (2 sigma^2))`, peak 1 at `s = mu`."""
+  score = np.asarray(score, np.float64)
+  return np.exp(-((score - mu) ** 2) / (2.0 * sigma * sigma))
+
+
+def operation_score(action: Action, rho_new: float, rho_old: float) -> float:
+  """Eq. 10 routing: net gain for update-like, clipped rho for add-like."""
+  if action in UPDATE_LIKE:
+    return float(rho_new - rho_old)
+  return max(0.0, float(rho_new))
+
+
+def length_excess(chars: int, memory_type: MemoryType,
+                  config: RewardConfig) -> float:
+  """ℓ of one written text in [0, 1] (App. D length penalty)."""
+  if memory_type is MemoryType.CORE:
+    value, low, high = (chars / config.chars_per_token, config.core_tokens_low,
+                        config.core_tokens_high)
+  else:
+    value, low, high = chars, config.entry_chars_low, config.entry_chars_high
+  return float(np.clip((value - low) / (high - low), 0.0, 1.0))
+
+
+def normalize_text(text: str) -> str:
+  """Lowercased words only: the "verbatim" test of the duplication rules."""
+  return " ".join(re.findall(r"\w+", text.lower()))
+
+
+@dataclasses.dataclass
+class RolloutInput:
+  """One rollout to score.
+
+  Attributes:
+    bank: `M_{t-1}` (shared object for the rollouts of one session).
+    context: The session text `C_t` (embedded for `e_C`).
+    response: The parsed DSL response.
+    qa_reward: `r_QA` in [0, 1] from the QA judge (an input here).
+    retrieval_counts: Per memory type, how often it was retrieved while
+      answering the session's QA on `M_t` (for attribution); None = no
+      attribution.
+  """
+  bank: MemoryBank
+  context: str
+  response: ParsedResponse
+  qa_reward: float = 0.0
+  retrieval_counts: Mapping[MemoryType, int] | None = None
+
+
+@dataclasses.dataclass
+class ScoredOperation:
+  operation: Operation
+  rho_new: float
+  rho_old: float | None
+  score: float
+  shaped: float
+
+
+@dataclasses.dataclass
+class RewardTerms:
+  """Every reward term of one rollout (all logged)."""
+  valid: bool
+  cmi: float
+  qa: float
+  base: float
+  length_excess: float
+  length_factor: float
+  intra_duplicate_fraction: float
+  intra_duplicate_factor: float
+  cross_duplicate_fraction: float
+  cross_duplicate_factor: float
+  core_generic: bool
+  core_specificity_factor: float
+  semantic_skip_justified: bool | None
+  semantic_skip_bonus: float
+  total: float
+  reward: float  # `total` gated by validity: what the advantage uses.
+  empty: bool
+  operations: list[ScoredOperation]
+  line_weights: list[tuple[tuple[int, int], float]]
+  dominant_type: MemoryType | None
+
+  def scalars(self) -> dict[str, float]:
+    """Numeric terms for metrics logging."""
+    out = {}
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if isinstance(value, (bool, int, float)) and value is not None:
+        out[field.name] = float(value)
+    out["num_scored_operations"] = float(len(self.operations))
+    out["semantic_skip"] = float(self.semantic_skip_justified is not None)
+    return out
+
+
+def _scored_operations(rollout: RolloutInput
+                       ) -> list[tuple[Operation, str, str | None]]:
+  """(op, new text, old text or None) for every operation the CMI scores."""
+  scored = []
+  for op in rollout.response.operations:
+    if op.memory_type is MemoryType.CORE:
+      if op.action is Action.APPEND:
+        scored.append((op, op.new_text, None))
+      elif op.action is Action.REPLACE:
+        old, new = op.fields
+        if old in rollout.bank.core:  # A REPLACE with no match is a no-op.
+          scored.append((op, new, old))
+      else:  # REWRITE: old is the previous block.
+        scored.append((op, op.new_text, rollout.bank.core))
+    elif op.action in (Action.ADD, Action.MERGE):
+      scored.append((op, op.new_text, None))
+    elif op.action is Action.UPDATE:
+      scored.append((op, op.new_text, op.old_texts[0]))
+  return scored
+
+
+def _bucket(size: int, multiple: int) -> int:
+  return max(multiple, int(math.ceil(size / multiple)) * multiple)
+
+
+def _bank_arrays(bank: MemoryBank) -> tuple[np.ndarray, np.ndarray]:
+  """All entry vectors in type order and the 2+ newest episodic positions."""
+  vectors = np.concatenate([bank.stores[t].vectors for t in ENTRY_TYPES])
+  episodic = bank.stores[MemoryType.EPISODIC].entries
+  order = sorted(range(len(episodic)),
+                 key=lambda i: (episodic[i].created_step, i), reverse=True)
+  return vectors, np.asarray(order, np.int64)  # Episodic is type 0.
+
+
+@jax.jit
+def _residual_norms(query: jax.Array, memories: jax.Array, mask: jax.Array,
+                    lam: jax.Array) -> jax.Array:
+  queries, memories = normalize_inputs(query[:, None], memories, mask)
+  res = normalized_residuals(queries, memories, mask, lam)[:, 0]
+  return jnp.sqrt(jnp.sum(res * res, axis=-1))
+
+
+class RewardComputer:
+  """Scores batches of rollouts; one `banked_rho` call per batch."""
+
+  def __init__(self, encoder: Encoder, config: RewardConfig = RewardConfig()):
+    self.encoder = encoder
+    self.config = config
+    self._generic = [re.compile(p, re.IGNORECASE)
+                     for p in config.generic_core_patterns]
+
+  def __call__(self, rollouts: Sequence[RolloutInput]) -> list[RewardTerms]:
+    return self.compute(rollouts)
+
+  # -- batched CMI ---------------------------------------------------------
+
+  def _rho(self, rollouts: Sequence[RolloutInput],
+           scored: list[list[tuple[Operation, str, str | None]]],
+           embeddings: dict[str, np.ndarray]
+           ) -> list[list[tuple[float, float]]]:
+    """rho(new), rho(old) for every scored op, grouped by bank."""
+    groups: dict[int, list[int]] = collections.defaultdict(list)
+    for i, rollout in enumerate(rollouts):
+      if scored[i]:
+        groups[id(rollout.bank)].append(i)
+    results: list[list[tuple[float, float]]] = [[] for _ in rollouts]
+    if not groups:
+      return results
+    members = list(groups.values())
+    bank_data = [_bank_arrays(rollouts[g[0]].bank) for g in members]
+    m = _bucket(max(len(v) for v, _ in bank_data), 32)
+    o = _bucket(max(sum(len(scored[i]) for i in g) for g in members), 16)
+    n_recent = self.config.conditioning.n_recent
+    dim = self.encoder.dim
+    vectors = np.zeros((len(members), m, dim), np.float32)
+    valid = np.zeros((len(members), m), bool)
+    recent = -np.ones((len(members), n_recent), np.int64)
+    ctx = np.zeros((len(members), dim), np.float32)
+    new = np.zeros((len(members), o, dim), np.float32)
+    old = np.zeros((len(members), o, dim), np.float32)
+    has_old = np.zeros((len(members), o), bool)
+    for b, (group, (bank_vectors, episodic_order)) in enumerate(
+        zip(members, bank_data)):
+      vectors[b, :len(bank_vectors)] = bank_vectors
+      valid[b, :len(bank_vectors)] = True
+      newest = episodic_order[:n_recent]
+      recent[b, :len(newest)] = newest
+      ctx[b] = embeddings[rollouts[group[0]].context]
+      slot = 0
+      for i in group:
+        for op, new_text, old_text in scored[i]:
+          new[b, slot] = embeddings[new_text]
+          if old_text is not None:
+            old[b, slot] = embeddings[old_text]
+            has_old[b, slot] = op.action in (Action.UPDATE, Action.REPLACE)
+          slot += 1
+    rho_new, rho_old, _, _ = banked_rho(
+        vectors, valid, recent, ctx, new, old, has_old, lam=self.config.lam,
+        config=self.config.conditioning,
+        min_memories=self.config.min_memories)
+    rho_new, rho_old = np.asarray(rho_new), np.asarray(rho_old)
+    for b, group in enumerate(members):
+      slot = 0
+      for i in group:
+        for _ in scored[i]:
+          results[i].append((float(rho_new[b, slot]), float(rho_old[b, slot])))
+          slot += 1
+    return results
+
+  def _semantic_novelty(self, rollouts: Sequence[RolloutInput],
+                        embeddings: dict[str, np.ndarray],
+                        which: list[int]) -> dict[int, float]:
+    """|r_C|: how much of the session the semantic store leaves unexplained.
+
+    The residual norm of `e_C` against its top-k semantic entries (1 = fully
+    novel, 0 = fully explained); no semantic entries means fully novel.
+    """
+    if not which:
+      return {}
+    k = self.config.conditioning.size
+    query = np.stack([embeddings[rollouts[i].context] for i in which])
+    memories = np.zeros((len(which), k, self.encoder.dim), np.float32)
+    mask = np.zeros((len(which), k), bool)
+    for row, i in enumerate(which):
+      store = rollouts[i].bank.stores[MemoryType.SEMANTIC]
+      _, positions = store.search(query[row][None] / max(
+          np.linalg.norm(query[row]), 1e-12), k)
+      chosen = store.vectors[positions[0]]
+      memories[row, :len(chosen)] = chosen
+      mask[row, :len(chosen)] = True
+    norms = np.asarray(_residual_norms(query, memories, mask,
+                                       jnp.float32(self.config.lam)))
+    return {i: float(v) for i, v in zip(which, norms)}
+
+  # -- per-rollout terms ---------------------------------------------------
+
+  def compute(self, rollouts: Sequence[RolloutInput]) -> list[RewardTerms]:
+    """Reward terms for each rollout, in order."""
+    config = self.config
+    scored = [_scored_operations(r) if r.response.valid else []
+              for r in rollouts]
+    texts = {r.context for r in rollouts}
+    for ops in scored:
+      for _, new_text, old_text in ops:
+        texts.add(new_text)
+        if old_text is not None:
+          texts.add(old_text)
+    entry_texts = {op.new_text for r in rollouts if r.response.valid
+                   for op in r.response.operations
+                   if op.memory_type is not MemoryType.CORE and op.writes}
+    texts |= entry_texts
+    ordered = sorted(texts)
+    embeddings = dict(zip(ordered, embed_texts(self.encoder, ordered)))
+    rhos = self._rho(rollouts, scored, embeddings)
+    skips = [i for i, r in enumerate(rollouts) if r.response.valid and any(
+        op.memory_type is MemoryType.SEMANTIC and not op.writes
+        for op in r.response.operations)]
+    novelty = self._semantic_novelty(rollouts, embeddings, skips)
+    return [self._terms(r, scored[i], rhos[i], embeddings, novelty.get(i))
+            for i, r in enumerate(rollouts)]
+
+  def _terms(self, rollout: RolloutInput,
+             scored: list[tuple[Operation, str, str | None]],
+             rhos: list[tuple[float, float]],
+             embeddings: dict[str, np.ndarray],
+             semantic_novelty: float | None) -> RewardTerms:
+    config = self.config
+    response = rollout.response
+    operations = []
+    for (op, _, old_text), (rho_new, rho_old) in zip(scored, rhos):
+      score = operation_score(op.action, rho_new, rho_old)
+      shaped = (float(gaussian_shaping(score, config.mu, config.sigma))
+                if config.shaping == "gaussian" else score)
+      operations.append(ScoredOperation(
+          op, rho_new, None if old_text is None else rho_old, score, shaped))
+    valid = response.valid
+    empty = valid and not operations
+    if not valid:
+      cmi = config.format_penalty
+    elif empty:
+      cmi = config.empty_action_value
+    else:
+      cmi = float(np.mean([s.shaped for s in operations]))
+    base = config.alpha * cmi + (1.0 - config.alpha) * rollout.qa_reward
+
+    writes = [op for op in response.operations if op.writes] if valid else []
+    excess = (float(np.mean([length_excess(len(op.new_text), op.memory_type,
+                                           config) for op in writes]))
+              if writes else 0.0)
+    entry_writes = [op for op in writes if op.memory_type is not MemoryType.CORE]
+    intra = self._intra_duplicate_fraction(entry_writes, embeddings)
+    cross = self._cross_duplicate_fraction(rollout.bank, entry_writes,
+                                           embeddings)
+    core_generic = any(pattern.search(op.new_text) for op in writes
+                       if op.memory_type is MemoryType.CORE
+                       for pattern in self._generic)
+    justified = (None if semantic_novelty is None
+                 else semantic_novelty < config.mu - config.sigma)
+    skip_bonus = (0.0 if justified is None else
+                  config.semantic_skip_bonus if justified
+                  else -config.semantic_skip_bonus)
+    factors = {
+        "length": 1.0 - config.length_weight * excess,
+        "intra": 1.0 - config.intra_duplicate_weight * intra,
+        "cross": 1.0 - config.cross_duplicate_weight * cross,
+        "core": 1.0 - config.core_specificity_weight * core_generic,
+    }
+    total = base * math.prod(factors.values()) + skip_bonus
+    dominant = self._dominant_type(rollout.retrieval_counts) if valid else None
+    line_weights = [
+        (op.span, config.attribution_weight if op.memory_type is dominant
+         else 1.0) for op in response.operations if op.span is not None]
+    return RewardTerms(
+        valid=valid, cmi=cmi, qa=rollout.qa_reward, base=base,
+        length_excess=excess, length_factor=factors["length"],
+        intra_duplicate_fraction=intra, intra_duplicate_factor=factors["intra"],
+        cross_duplicate_fraction=cross, cross_duplicate_factor=factors["cross"],
+        core_generic=core_generic, core_specificity_factor=factors["core"],
+        semantic_skip_justified=justified, semantic_skip_bonus=skip_bonus,
+        total=total, reward=total if valid else 0.0, empty=empty,
+        operations=operations, line_weights=line_weights,
+        dominant_type=dominant)
+
+  def _is_duplicate(self, text: str, vector: np.ndarray, others_text: set[str],
+                    others: np.ndarray) -> bool:
+    if normalize_text(text) in others_text:
+      return True
+    return bool(len(others) and np.max(others @ vector)
+                >= self.config.duplicate_cosine)
+
+  def _intra_duplicate_fraction(self, writes: list[Operation],
+                                embeddings: dict[str, np.ndarray]) -> float:
+    """Share of entry writes that repeat an earlier write of the response."""
+    if not writes:
+      return 0.0
+    duplicates, seen_text, seen = 0, set(), []
+    for op in writes:
+      vector = embeddings[op.new_text]
+      duplicates += self._is_duplicate(op.new_text, vector, seen_text,
+                                       np.asarray(seen).reshape(-1, len(vector)))
+      seen_text.add(normalize_text(op.new_text))
+      seen.append(vector)
+    return duplicates / len(writes)
+
+  def _cross_duplicate_fraction(self, bank: MemoryBank,
+                                writes: list[Operation],
+                                embeddings: dict[str, np.ndarray]) -> float:
+    """Share of entry writes that repeat an entry already in `M_{t-1}`."""
+    if not writes:
+      return 0.0
+    stored_text = {normalize_text(e.text) for e in bank.entries()}
+    stored = np.concatenate([bank.stores[t].vectors for t in ENTRY_TYPES])
+    return sum(self._is_duplicate(op.new_text, embeddings[op.new_text],
+                                  stored_text, stored)
+               for op in writes) / len(writes)
+
+  @staticmethod
+  def _dominant_type(counts: Mapping[MemoryType, int] | None
+                     ) -> MemoryType | None:
+    if not counts or max(counts.values()) <= 0:
+      return None
+    # Ties go to the earlier type (episodic, semantic, procedural).
+    return max(ENTRY_TYPES, key=lambda t: (counts.get(t, 0),
+                                           -ENTRY_TYPES.index(t)))
+
+
+def token_weights(token_offsets: Sequence[tuple[int, int]],
+                  line_weights: Sequence[tuple[tuple[int, int], float]]
+                  ) -> np.ndarray:
+  """Per-token loss weights from per-line weights.
+
+  Args:
+    token_offsets: `[T]` character spans of the response tokens.
+    line_weights: `(span, weight)` per DSL line (`RewardTerms.line_weights`).
+
+  Returns:
+    `[T]` float32: a token takes the weight of the line it overlaps most,
+    1.0 if none (blank lines, think blocks).
+  """
+  weights = np.ones(len(token_offsets), np.float32)
+  for t, (start, end) in enumerate(token_offsets):
+    best = 0
+    for (line_start, line_end), weight in line_weights:
+      overlap = min(end, line_end) - max(start, line_start)
+      if overlap > best:
+        best, weights[t] = overlap, weight
+  return weights

@@ -1,0 +1,205 @@
+import math
+
+import numpy as np
+import pytest
+
+from cmimem_jax.cmi import (RewardComputer, RewardConfig, RolloutInput,
+                            banked_rho, gaussian_shaping, operation_score,
+                            reward_defaults, token_weights)
+from cmimem_jax.encoders import HashingEncoder
+from cmimem_jax.memory import (Action, MemoryBank, MemoryType, Operation,
+                               apply_operations, parse)
+
+ENCODER = HashingEncoder(256)
+CONTEXT = "user: I adopted a beagle named Rex and I walk him every morning"
+SKIPS = "EPISODIC:SKIP\nSEMANTIC:SKIP\nPROCEDURAL:SKIP"
+
+
+def _cos(a, b):
+  va, vb = ENCODER.encode([a, b])
+  return float(va @ vb)
+
+
+def _g(s):
+  return float(gaussian_shaping(s, 0.35, 0.15))
+
+
+def _score(text, bank=None, qa=0.0, counts=None, config=RewardConfig()):
+  bank = bank if bank is not None else MemoryBank("u", ENCODER.dim)
+  rollout = RolloutInput(bank, CONTEXT, parse(text), qa, counts)
+  (terms,) = RewardComputer(ENCODER, config)([rollout])
+  return terms
+
+
+def _bank(*texts, memory_type=MemoryType.SEMANTIC):
+  bank = MemoryBank("u", ENCODER.dim)
+  bank, _ = apply_operations(bank, [Operation(memory_type, Action.ADD, (t,))
+                                    for t in texts], ENCODER, session_index=0)
+  return bank
+
+
+def test_shaping_and_routing():
+  assert _g(0.35) == 1.0
+  assert _g(0.5) == pytest.approx(math.exp(-0.5))
+  assert _g(0.05) == pytest.approx(math.exp(-2.0))
+  assert operation_score(Action.ADD, -0.4, 0.9) == 0.0
+  assert operation_score(Action.MERGE, 0.6, 0.9) == 0.6
+  assert operation_score(Action.APPEND, 0.6, 0.0) == 0.6
+  assert operation_score(Action.UPDATE, 0.3, 0.5) == pytest.approx(-0.2)
+  assert operation_score(Action.REPLACE, 0.5, 0.1) == pytest.approx(0.4)
+  assert operation_score(Action.REWRITE, 0.5, 0.5) == 0.0
+
+
+def test_empty_bank_uses_cosine_and_composes_exactly():
+  core, event = "Owns a beagle named Rex", "2024-03-01: adopted Rex the beagle"
+  terms = _score(f"CORE:APPEND|{core}\nEPISODIC:ADD|{event}\n"
+                 "SEMANTIC:SKIP\nPROCEDURAL:SKIP", qa=0.6)
+  scores = [max(0.0, _cos(CONTEXT, core)), max(0.0, _cos(CONTEXT, event))]
+  assert [o.score for o in terms.operations] == pytest.approx(scores, abs=1e-6)
+  cmi = np.mean([_g(s) for s in scores])
+  assert terms.cmi == pytest.approx(cmi, abs=1e-6)
+  assert terms.base == pytest.approx(0.3 * cmi + 0.7 * 0.6, abs=1e-6)
+  # No semantic store: the session is fully novel, so SKIP is unjustified.
+  assert terms.semantic_skip_justified is False
+  assert terms.semantic_skip_bonus == -0.1
+  assert (terms.length_factor, terms.intra_duplicate_factor,
+          terms.cross_duplicate_factor, terms.core_specificity_factor) == (
+              1.0, 1.0, 1.0, 1.0)
+  assert terms.total == pytest.approx(terms.base - 0.1, abs=1e-6)
+  assert terms.reward == terms.total and terms.valid
+
+
+def test_format_penalty_and_validity_gate():
+  terms = _score("CORE:APPEND|x\nEPISODIC:ADD|y", qa=1.0)
+  assert not terms.valid and terms.cmi == -0.5
+  assert terms.total == pytest.approx(0.3 * -0.5 + 0.7 * 1.0)
+  assert terms.reward == 0.0 and terms.operations == []
+
+
+def test_empty_action_value():
+  bank = _bank("Rex - Pet: beagle")
+  bank.core = "Likes tea"
+  terms = _score(f"CORE:REPLACE|Likes coffee|Likes water\n{SKIPS}", bank=bank,
+                 qa=0.5, config=RewardConfig(semantic_skip_bonus=0.0))
+  assert terms.empty and terms.cmi == -0.5 and terms.operations == []
+  assert terms.total == pytest.approx(0.3 * -0.5 + 0.7 * 0.5)
+
+
+def test_update_like_scores_net_gain_on_the_local_set():
+  old = "Rex - Pet: a dog"
+  bank = _bank(old, "Rex - Walks: every morning", "Ana - Job: nurse",
+               "Ana - City: Oslo")
+  new = "Rex - Pet: a three year old beagle adopted in March"
+  terms = _score(f"CORE:APPEND|Has a dog\nEPISODIC:SKIP\n"
+                 f"SEMANTIC:UPDATE|{old}|{new}\nPROCEDURAL:SKIP", bank=bank)
+  update = terms.operations[1]
+  # Recompute rho(new), rho(old) directly with the banked kernel.
+  vectors = bank.stores[MemoryType.SEMANTIC].vectors
+  ctx, e_new, e_old = ENCODER.encode([CONTEXT, new, old])
+  rho_new, rho_old, _, mask = banked_rho(
+      vectors[None], np.ones((1, 4), bool), -np.ones((1, 2), int), ctx[None],
+      e_new[None, None], e_old[None, None], np.ones((1, 1), bool))
+  assert int(np.asarray(mask).sum()) == 4  # All four entries, no episodic.
+  assert update.rho_new == pytest.approx(float(rho_new[0, 0]), abs=1e-6)
+  assert update.rho_old == pytest.approx(float(rho_old[0, 0]), abs=1e-6)
+  assert update.score == pytest.approx(update.rho_new - update.rho_old)
+  assert update.shaped == pytest.approx(_g(update.score))
+
+
+def test_rewrite_scores_against_previous_block():
+  bank = MemoryBank("u", ENCODER.dim)
+  bank.core = "Ana is a nurse in Oslo"
+  terms = _score(f"CORE:REWRITE|Ana, nurse in Oslo, owns Rex the beagle\n{SKIPS}",
+                 bank=bank)
+  (op,) = terms.operations
+  # Empty entry store: cosine fallback for both texts.
+  assert op.rho_new == pytest.approx(
+      _cos(CONTEXT, "Ana, nurse in Oslo, owns Rex the beagle"), abs=1e-6)
+  assert op.rho_old == pytest.approx(_cos(CONTEXT, "Ana is a nurse in Oslo"),
+                                     abs=1e-6)
+
+
+def test_shaping_ablation_uses_raw_scores():
+  terms = _score(f"CORE:APPEND|Owns Rex\n{SKIPS}",
+                 config=RewardConfig(shaping="none"))
+  assert terms.operations[0].shaped == terms.operations[0].score
+  assert terms.cmi == pytest.approx(terms.operations[0].score)
+
+
+def test_length_penalty():
+  long_entry = "Rex " + "x" * 596  # 600 chars: halfway between 300 and 900.
+  terms = _score(f"CORE:APPEND|Owns Rex\nEPISODIC:ADD|{long_entry}\n"
+                 "SEMANTIC:SKIP\nPROCEDURAL:SKIP")
+  assert terms.length_excess == pytest.approx(0.25)  # mean(0, 0.5)
+  assert terms.length_factor == pytest.approx(1 - 0.8 * 0.25)
+  core = "y" * 1100  # 275 tokens: halfway between 150 and 400.
+  terms = _score(f"CORE:APPEND|{core}\n{SKIPS}")
+  assert terms.length_excess == pytest.approx(0.5)
+
+
+def test_intra_duplicates():
+  terms = _score("CORE:APPEND|Owns Rex\nEPISODIC:ADD|Adopted Rex.\n"
+                 "SEMANTIC:ADD|adopted   REX\nPROCEDURAL:SKIP")
+  assert terms.intra_duplicate_fraction == pytest.approx(0.5)
+  assert terms.intra_duplicate_factor == pytest.approx(1 - 0.3 * 0.5)
+
+
+def test_cross_duplicates():
+  bank = _bank("Rex - Pet: beagle", "Ana - Job: nurse")
+  terms = _score("CORE:APPEND|Owns Rex\nEPISODIC:SKIP\n"
+                 "SEMANTIC:ADD|rex - pet: Beagle\nSEMANTIC:ADD|Ana - City: Oslo\n"
+                 "PROCEDURAL:SKIP", bank=bank)
+  assert terms.cross_duplicate_fraction == pytest.approx(0.5)
+  assert terms.cross_duplicate_factor == pytest.approx(0.75)
+
+
+def test_core_specificity():
+  terms = _score(f"CORE:APPEND|She is a Lifelong Learner\n{SKIPS}")
+  assert terms.core_generic and terms.core_specificity_factor == pytest.approx(0.7)
+  assert not _score(f"CORE:APPEND|Works night shifts\n{SKIPS}").core_generic
+
+
+def test_semantic_skip_justified_when_store_explains_session():
+  bank = _bank(CONTEXT)  # The store already holds the session verbatim.
+  terms = _score(f"CORE:APPEND|Owns Rex\n{SKIPS}", bank=bank)
+  assert terms.semantic_skip_justified is True
+  assert terms.semantic_skip_bonus == 0.1
+  assert terms.total == pytest.approx(terms.base + 0.1)
+  no_skip = _score("CORE:APPEND|Owns Rex\nEPISODIC:SKIP\nSEMANTIC:ADD|Rex\n"
+                   "PROCEDURAL:SKIP", bank=bank)
+  assert no_skip.semantic_skip_justified is None
+  assert no_skip.semantic_skip_bonus == 0.0
+
+
+def test_attribution_weights_and_tokens():
+  text = f"CORE:APPEND|Owns Rex\nEPISODIC:ADD|a\nSEMANTIC:ADD|b\nPROCEDURAL:SKIP"
+  terms = _score(text, counts={MemoryType.SEMANTIC: 5,
+                               MemoryType.EPISODIC: 2})
+  assert terms.dominant_type is MemoryType.SEMANTIC
+  assert [w for _, w in terms.line_weights] == [1.0, 1.0, 4.0, 1.0]
+  (span, _), = [lw for lw in terms.line_weights if lw[1] == 4.0]
+  assert text[span[0]:span[1]] == "SEMANTIC:ADD|b"
+  # Tokens map to the line they overlap most.
+  offsets = [(0, 4), (span[0], span[0] + 8), (span[1] - 1, span[1] + 1)]
+  assert token_weights(offsets, terms.line_weights).tolist() == [1.0, 4.0, 4.0]
+  assert _score(text, counts={}).dominant_type is None
+  assert _score(text).line_weights[2][1] == 1.0
+
+
+def test_rollouts_of_one_session_share_a_bank_and_one_call():
+  bank = _bank("Rex - Pet: beagle", "Ana - Job: nurse", "Ana - City: Oslo")
+  texts = [f"CORE:APPEND|Owns Rex\nEPISODIC:ADD|{i} walked Rex\n"
+           "SEMANTIC:SKIP\nPROCEDURAL:SKIP" for i in range(4)]
+  batch = RewardComputer(ENCODER)([RolloutInput(bank, CONTEXT, parse(t), 0.5)
+                                   for t in texts])
+  single = [_score(t, bank=bank, qa=0.5) for t in texts]
+  for a, b in zip(batch, single):
+    assert a.reward == pytest.approx(b.reward, abs=1e-6)
+
+
+def test_config_round_trip_and_validation():
+  assert RewardConfig.from_config(reward_defaults()) == RewardConfig()
+  with pytest.raises(ValueError, match="shaping"):
+    RewardConfig(shaping="cubic")
+  with pytest.raises(ValueError, match="alpha"):
+    RewardConfig(alpha=1.5)

@@ -1,0 +1,310 @@
+"""Benchmarks: our JAX code against named peers, measured in the same run.
+
+  python tools/bench.py cmi [--scenario=kernel|workload|all] [--devices=2]
+
+Prints one JSON line per case. Every speedup is peer time / our time, each
+the best of `--reps` timed runs after a warm-up (compile excluded; compile
+time is reported separately).
+
+Scenarios:
+  kernel    random [B, N, d] inputs; peers: a per-operation NumPy loop
+            (np.linalg.solve per row) and the same math batched in PyTorch
+            (cholesky / cholesky_solve over the batch). Ours runs on one
+            CPU device and sharded over `--devices` CPU devices.
+  workload  one GRPO step's CMI: 32 banks x 300 entries, 8 rollouts x 12
+            operations per bank, App. F conditioning sets (top-8 + 2 recent);
+            from banks and operations to per-rollout CMI rewards. Peers: the
+            per-operation NumPy loop and PyTorch gathering every set into
+            [B, N, d] and running the batched kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  sub = parser.add_subparsers(dest="command", required=True)
+  cmi = sub.add_parser("cmi", help="CMI kernel and reward workload")
+  cmi.add_argument("--scenario", choices=["kernel", "workload", "all"],
+                   default="all")
+  cmi.add_argument("--devices", type=int, default=os.cpu_count() or 1,
+                   help="CPU devices to shard the kernel batch over")
+  cmi.add_argument("--reps", type=int, default=3)
+  cmi.add_argument("--quick", action="store_true",
+                   help="smallest cases only (smoke test)")
+  return parser.parse_args(argv)
+
+
+ARGS = _parse_args(sys.argv[1:])
+# Must precede the first jax import: one XLA CPU device per core.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_force_host_platform_device_count={ARGS.devices}")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+from cmimem_jax.cmi import banked_rho, gaussian_shaping, residual_cmi  # noqa: E402
+from cmimem_jax.cmi.conditioning import ConditioningConfig  # noqa: E402
+
+LAM = 1e-4
+
+
+def best_time(fn: Callable[[], object], reps: int) -> float:
+  """Best wall time of `reps` runs after one warm-up run."""
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+# --- peers ------------------------------------------------------------------
+
+def numpy_rho(e_ctx: np.ndarray, e_new: np.ndarray, mem: np.ndarray,
+              lam: float = LAM, min_memories: int = 2) -> float:
+  """One operation, the straightforward way (mem: valid rows only)."""
+  unit = lambda v: v / max(np.linalg.norm(v), 1e-12)  # noqa: E731
+  c, n = unit(e_ctx), unit(e_new)
+  if len(mem) < min_memories:
+    return float(c @ n)
+  m = mem / np.maximum(np.linalg.norm(mem, axis=1, keepdims=True), 1e-12)
+  gram = m @ m.T + lam * np.eye(len(m), dtype=m.dtype)
+  queries = np.stack([c, n], axis=1)
+  res = queries - m.T @ np.linalg.solve(gram, m @ queries)
+  norm_c, norm_n = np.linalg.norm(res, axis=0)
+  if norm_c < 1e-6 or norm_n < 1e-6:
+    return 0.0
+  return float(res[:, 0] @ res[:, 1] / (norm_c * norm_n))
+
+
+def torch_residuals(queries: torch.Tensor, mem: torch.Tensor,
+                    mask: torch.Tensor, lam: float = LAM) -> torch.Tensor:
+  """The same math batched in PyTorch: `[B, K, d]` residuals."""
+  unit = lambda x: x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # noqa
+  q = unit(queries)
+  m = unit(mem) * mask[..., None]
+  gram = m @ m.transpose(1, 2) + lam * torch.eye(m.shape[1])
+  factor = torch.linalg.cholesky(gram)
+  coefficients = torch.cholesky_solve(m @ q.transpose(1, 2), factor)
+  return q - coefficients.transpose(1, 2) @ m
+
+
+def torch_rho(res: torch.Tensor, first: int, second: int) -> torch.Tensor:
+  a, b = res[:, first], res[:, second]
+  dot = (a * b).sum(-1)
+  na, nb = a.norm(dim=-1), b.norm(dim=-1)
+  degenerate = (na < 1e-6) | (nb < 1e-6)
+  return torch.where(degenerate, torch.zeros_like(dot),
+                     dot / (na * nb).clamp_min(1e-30))
+
+
+def torch_kernel(e_ctx, e_new, mem, mask, min_memories=2):
+  res = torch_residuals(torch.stack([e_ctx, e_new], 1), mem, mask)
+  rho = torch_rho(res, 0, 1)
+  unit = lambda x: x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # noqa
+  cos = (unit(e_ctx) * unit(e_new)).sum(-1)
+  return torch.where(mask.sum(-1) < min_memories, cos, rho)
+
+
+# --- kernel scenario --------------------------------------------------------
+
+def kernel_case(batch: int, n: int, d: int, mesh: Mesh) -> dict:
+  rng = np.random.default_rng(batch + n + d)
+  e_ctx = rng.normal(size=(batch, d)).astype(np.float32)
+  e_new = rng.normal(size=(batch, d)).astype(np.float32)
+  mem = rng.normal(size=(batch, n, d)).astype(np.float32)
+  mask = rng.random((batch, n)) < 0.9
+  mask[:, :2] = True
+
+  args = [jnp.asarray(x) for x in (e_ctx, e_new, mem, mask)]
+  start = time.perf_counter()
+  ours = np.asarray(residual_cmi(*args))
+  compile_s = time.perf_counter() - start
+  ours_s = best_time(lambda: residual_cmi(*args), ARGS.reps)
+  devices = mesh.devices.size
+  sharded_s = None
+  if batch % devices == 0 and devices > 1:
+    spec = lambda x: NamedSharding(  # noqa: E731
+        mesh, PartitionSpec("batch", *([None] * (x.ndim - 1))))
+    placed = [jax.device_put(x, spec(x)) for x in args]
+    sharded_s = best_time(lambda: residual_cmi(*placed), ARGS.reps)
+
+  tensors = [torch.from_numpy(x.copy()) for x in (e_ctx, e_new, mem, mask)]
+  with torch.no_grad():
+    peer = torch_kernel(*tensors).numpy()
+    torch_s = best_time(lambda: torch_kernel(*tensors), ARGS.reps)
+  start = time.perf_counter()
+  loop = np.array([numpy_rho(e_ctx[i], e_new[i], mem[i][mask[i]])
+                   for i in range(batch)])
+  loop_s = time.perf_counter() - start
+
+  best = min(ours_s, sharded_s or ours_s)
+  flops = batch * d * 2 * (n * n + 6 * n)  # Gram + 3 [K=2] products.
+  bytes_read = 4 * batch * d * (n + 2)
+  return {
+      "scenario": "kernel", "B": batch, "N": n, "d": d,
+      "speedup_vs_numpy_loop": round(loop_s / best, 2),
+      "speedup_vs_torch_batched": round(torch_s / best, 2),
+      "speedup_vs_torch_batched_1dev": round(torch_s / ours_s, 2),
+      "ours_ms": round(ours_s * 1e3, 2),
+      f"ours_{devices}dev_ms": (None if sharded_s is None
+                                else round(sharded_s * 1e3, 2)),
+      "torch_batched_ms": round(torch_s * 1e3, 2),
+      "numpy_loop_ms": round(loop_s * 1e3, 1),
+      "ours_gflops": round(flops / best / 1e9, 1),
+      "ours_input_gbps": round(bytes_read / best / 1e9, 2),
+      "compile_s": round(compile_s, 2),
+      "max_abs_diff_vs_torch": float(np.max(np.abs(ours - peer))),
+      "max_abs_diff_vs_numpy_loop": float(np.max(np.abs(ours - loop))),
+  }
+
+
+# --- workload scenario ------------------------------------------------------
+
+BANKS, ENTRIES, ROLLOUTS, OPS = 32, 300, 8, 12
+
+
+def workload_inputs(d: int) -> dict:
+  rng = np.random.default_rng(d)
+  ops = ROLLOUTS * OPS
+  return {
+      "vectors": rng.normal(size=(BANKS, ENTRIES, d)).astype(np.float32),
+      "valid": np.ones((BANKS, ENTRIES), bool),
+      "recent": np.tile(np.array([[ENTRIES - 1, ENTRIES - 2]]), (BANKS, 1)),
+      "e_ctx": rng.normal(size=(BANKS, d)).astype(np.float32),
+      "e_new": rng.normal(size=(BANKS, ops, d)).astype(np.float32),
+      "e_old": rng.normal(size=(BANKS, ops, d)).astype(np.float32),
+      "has_old": rng.random((BANKS, ops)) < 1 / 3,
+  }
+
+
+def rollout_rewards(rho_new: np.ndarray, rho_old: np.ndarray,
+                    has_old: np.ndarray) -> np.ndarray:
+  """Eq. 10-11 and the per-rollout mean: `[Bk, O]` -> `[Bk, rollouts]`."""
+  score = np.where(has_old, rho_new - rho_old, np.maximum(rho_new, 0.0))
+  shaped = gaussian_shaping(score, 0.35, 0.15)
+  return shaped.reshape(BANKS, ROLLOUTS, OPS).mean(-1)
+
+
+def ours_workload(inputs: dict, config: ConditioningConfig) -> np.ndarray:
+  rho_new, rho_old, _, _ = banked_rho(
+      inputs["vectors"], inputs["valid"], inputs["recent"], inputs["e_ctx"],
+      inputs["e_new"], inputs["e_old"], inputs["has_old"], lam=LAM,
+      config=config)
+  return rollout_rewards(np.asarray(rho_new), np.asarray(rho_old),
+                         np.asarray(inputs["has_old"]))
+
+
+def _query_weights(has_old, config):
+  return config.w_context, config.w_new, config.w_old * has_old
+
+
+def torch_workload(tensors: dict, config: ConditioningConfig) -> np.ndarray:
+  unit = lambda x: x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # noqa
+  v, ctx = unit(tensors["vectors"]), unit(tensors["e_ctx"])
+  new, old = unit(tensors["e_new"]), unit(tensors["e_old"])
+  has_old = tensors["has_old"]
+  w_c, w_n, w_o = _query_weights(has_old.float(), config)
+  query = w_c * ctx[:, None] + w_n * new + w_o[..., None] * old
+  scores = query @ v.transpose(1, 2)  # [Bk, O, M]
+  top = scores.topk(config.top_k, dim=-1).indices
+  recent = tensors["recent"][:, None, :].expand(-1, top.shape[1], -1)
+  fresh = ~(recent[..., :, None] == top[..., None, :]).any(-1)
+  index = torch.cat([top, recent], -1)
+  mask = torch.cat([torch.ones_like(top, dtype=torch.bool), fresh], -1)
+  flat = index.reshape(BANKS, -1)
+  rows = torch.gather(v, 1, flat[..., None].expand(-1, -1, v.shape[-1]))
+  rows = rows.reshape(BANKS * index.shape[1], index.shape[2], -1)
+  queries = torch.stack([ctx[:, None].expand_as(new), new, old], 2)
+  res = torch_residuals(queries.reshape(-1, 3, queries.shape[-1]), rows,
+                        mask.reshape(-1, index.shape[2]).float())
+  rho_new = torch_rho(res, 0, 1).reshape(BANKS, -1).numpy()
+  rho_old = torch_rho(res, 0, 2).reshape(BANKS, -1).numpy()
+  return rollout_rewards(rho_new, rho_old, has_old.numpy())
+
+
+def numpy_workload(inputs: dict, config: ConditioningConfig) -> np.ndarray:
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa
+  rho_new = np.zeros(inputs["has_old"].shape)
+  rho_old = np.zeros(inputs["has_old"].shape)
+  for b in range(BANKS):
+    v = unit(inputs["vectors"][b])
+    ctx = unit(inputs["e_ctx"][b])
+    for o in range(inputs["e_new"].shape[1]):
+      new, old = unit(inputs["e_new"][b, o]), unit(inputs["e_old"][b, o])
+      has_old = inputs["has_old"][b, o]
+      query = (config.w_context * ctx + config.w_new * new
+               + (config.w_old * old if has_old else 0))
+      top = list(np.argsort(-(v @ query))[:config.top_k])
+      chosen = top + [r for r in inputs["recent"][b] if r not in top]
+      rho_new[b, o] = numpy_rho(ctx, new, v[chosen])
+      if has_old:
+        rho_old[b, o] = numpy_rho(ctx, old, v[chosen])
+  return rollout_rewards(rho_new, rho_old, inputs["has_old"])
+
+
+def workload_case(d: int, mesh: Mesh) -> dict:
+  config = ConditioningConfig()
+  inputs = workload_inputs(d)
+  # Banks are independent: shard them over the CPU devices. Inputs start on
+  # device, as torch's start as tensors (banks persist across steps).
+  placed = {k: jax.device_put(v, NamedSharding(mesh, PartitionSpec(
+      "batch", *([None] * (v.ndim - 1))))) for k, v in inputs.items()}
+  start = time.perf_counter()
+  ours = ours_workload(placed, config)
+  compile_s = time.perf_counter() - start
+  ours_s = best_time(lambda: ours_workload(placed, config), ARGS.reps)
+  tensors = {k: torch.from_numpy(np.ascontiguousarray(v))
+             for k, v in inputs.items()}
+  with torch.no_grad():
+    peer = torch_workload(tensors, config)
+    torch_s = best_time(lambda: torch_workload(tensors, config), ARGS.reps)
+  start = time.perf_counter()
+  loop = numpy_workload(inputs, config)
+  loop_s = time.perf_counter() - start
+  ops = BANKS * ROLLOUTS * OPS
+  return {
+      "scenario": "workload", "B": ops, "N": config.size, "d": d,
+      "banks": BANKS, "entries": ENTRIES, "devices": mesh.devices.size,
+      "speedup_vs_numpy_loop": round(loop_s / ours_s, 2),
+      "speedup_vs_torch_batched": round(torch_s / ours_s, 2),
+      "ours_ms": round(ours_s * 1e3, 2),
+      "torch_batched_ms": round(torch_s * 1e3, 2),
+      "numpy_loop_ms": round(loop_s * 1e3, 1),
+      # Bank-level GEMMs (scores of 1 + 2·O queries, Gram) dominate.
+      "ours_gflops": round(2 * BANKS * ENTRIES * d * (
+          1 + 2 * ROLLOUTS * OPS + ENTRIES) / ours_s / 1e9, 1),
+      "compile_s": round(compile_s, 2),
+      "max_abs_reward_diff_vs_torch": float(np.max(np.abs(ours - peer))),
+      "max_abs_reward_diff_vs_numpy_loop": float(np.max(np.abs(ours - loop))),
+  }
+
+
+def run_cmi() -> None:
+  torch.set_num_threads(os.cpu_count() or 1)
+  mesh = Mesh(np.array(jax.devices()), ("batch",))
+  if ARGS.scenario in ("kernel", "all"):
+    batches = (64,) if ARGS.quick else (64, 1024, 8192)
+    for d in (384,) if ARGS.quick else (384, 1024):
+      for n in (8,) if ARGS.quick else (8, 20):
+        for batch in batches:
+          print(json.dumps(kernel_case(batch, n, d, mesh)), flush=True)
+  if ARGS.scenario in ("workload", "all"):
+    for d in (384,) if ARGS.quick else (384, 1024):
+      print(json.dumps(workload_case(d, mesh)), flush=True)
+
+
+if __name__ == "__main__":
+  {"cmi": run_cmi}[ARGS.command]()
