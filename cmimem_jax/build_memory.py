@@ -3,10 +3,13 @@
   python -m cmimem_jax.build_memory --config=configs/build_memory.py --workdir=DIR
 
 For each conversation: every session's operations (from the configured
-policy) are rendered as DSL, parsed, and applied (Alg. 1); the bank is saved
-to `DIR/<dialogue_id>/` and reloaded to check the round trip; then, for
-every question, the top-k fragments and their source turns (Alg. 2) are
-retrieved and the evidence-turn recall is reported per category.
+policy) are rendered as DSL, parsed, and applied (Alg. 1); each response is
+scored with the CMI reward terms against the bank it was applied to (all
+sessions in one batched kernel call; the QA term is 0 here: no judge); the
+bank is saved to `DIR/<dialogue_id>/` and reloaded to check the round trip;
+then, for every question, the top-k fragments and their source turns
+(Alg. 2) are retrieved and the evidence-turn recall is reported per
+category.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import json
 import os
 import time
 
+import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from cmimem_jax.cmi import RewardComputer, RewardConfig, RolloutInput
 from cmimem_jax.config import validate_config
 from cmimem_jax.data import Dialogue, load_dataset
 from cmimem_jax.encoders import Encoder, make_encoder
@@ -34,14 +39,21 @@ POLICIES = {"annotations": locomo_annotation_operations}
 
 
 def build_bank(dialogue: Dialogue, encoder: Encoder, config,
-               verbose: bool = False) -> tuple[MemoryBank, dict]:
-  """Runs the policy over every session; returns the bank and counters."""
+               verbose: bool = False
+               ) -> tuple[MemoryBank, dict, list[RolloutInput]]:
+  """Runs the policy over every session.
+
+  Returns:
+    The final bank, counters, and one `RolloutInput` per session (the
+    response with the bank `M_{t-1}` it was applied to) for scoring.
+  """
   policy = POLICIES[config.policy]
   core_config = CoreConfig(config.memory.core_cap_chars,
                            config.memory.compress_trigger,
                            config.memory.compress_target_chars)
   bank = MemoryBank(dialogue.dialogue_id, encoder.dim)
   stats = collections.Counter()
+  rollouts = []
   for session in dialogue.sessions:
     ops = policy(dialogue, session)
     response = parse(render(ops))
@@ -53,6 +65,7 @@ def build_bank(dialogue: Dialogue, encoder: Encoder, config,
     response = dataclasses.replace(response, operations=tuple(
         dataclasses.replace(parsed, turn_ids=op.turn_ids)
         for parsed, op in zip(response.operations, ops)))
+    rollouts.append(RolloutInput(bank, session.format(), response))
     bank, report = apply_response(
         bank, response, encoder, session_index=session.index,
         turn_ids=tuple(t.turn_id for t in session.turns),
@@ -64,7 +77,25 @@ def build_bank(dialogue: Dialogue, encoder: Encoder, config,
     if verbose and session.index < 2:
       print(f"--- session {session.index + 1} ({session.date_text}) DSL:")
       print(response.text)
-  return bank, dict(stats)
+  return bank, dict(stats), rollouts
+
+
+def reward_summary(rollouts: list[RolloutInput], encoder: Encoder,
+                   config) -> dict[str, float]:
+  """Mean CMI reward terms over the sessions (one batched call)."""
+  terms = RewardComputer(encoder, RewardConfig.from_config(config.reward))(
+      rollouts)
+  rho = [op.rho_new for t in terms for op in t.operations]
+  return {
+      "mean_cmi": float(np.mean([t.cmi for t in terms])),
+      "mean_rho_new": float(np.mean(rho)) if rho else 0.0,
+      "scored_operations": len(rho),
+      "mean_length_factor": float(np.mean([t.length_factor for t in terms])),
+      "mean_cross_duplicate_fraction": float(np.mean(
+          [t.cross_duplicate_fraction for t in terms])),
+      "semantic_skips_justified": sum(
+          bool(t.semantic_skip_justified) for t in terms),
+  }
 
 
 def evidence_recall(dialogue: Dialogue, bank: MemoryBank, encoder: Encoder,
@@ -91,7 +122,7 @@ def evidence_recall(dialogue: Dialogue, bank: MemoryBank, encoder: Encoder,
 def main(argv: list[str]) -> None:
   del argv
   config = _CONFIG.value
-  validate_config(config, required=("dataset", "encoder", "memory"))
+  validate_config(config, required=("dataset", "encoder", "memory", "reward"))
   if config.policy not in POLICIES:
     raise app.UsageError(f"policy must be one of {sorted(POLICIES)}")
   workdir = _WORKDIR.value
@@ -100,8 +131,12 @@ def main(argv: list[str]) -> None:
   summary = {}
   for dialogue in dialogues[:config.dataset.dialogues]:
     start = time.perf_counter()
-    bank, stats = build_bank(dialogue, encoder, config, verbose=True)
+    bank, stats, rollouts = build_bank(dialogue, encoder, config,
+                                       verbose=True)
     build_s = time.perf_counter() - start
+    start = time.perf_counter()
+    rewards = reward_summary(rollouts, encoder, config)
+    reward_s = time.perf_counter() - start
     print(bank.render(max_entries=5))
     if workdir:
       directory = os.path.join(workdir, dialogue.dialogue_id)
@@ -114,7 +149,10 @@ def main(argv: list[str]) -> None:
     summary[dialogue.dialogue_id] = {
         "sessions": len(dialogue.sessions), "entries": len(bank),
         "core_chars": len(bank.core), "build_seconds": round(build_s, 3),
-        **stats, "evidence_recall": {k: round(v, 3) for k, v in recall.items()}}
+        "reward_seconds": round(reward_s, 3), **stats,
+        "cmi_reward": {k: round(v, 4) if isinstance(v, float) else v
+                       for k, v in rewards.items()},
+        "evidence_recall": {k: round(v, 3) for k, v in recall.items()}}
     print(json.dumps({dialogue.dialogue_id: summary[dialogue.dialogue_id]}))
   if workdir:
     with open(os.path.join(workdir, "summary.json"), "w") as f:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import ml_collections
 
 DATASETS = ("longmemeval", "locomo", "memoryagentbench")
-ENCODERS = ("hashing",)
+ENCODERS = ("hashing", "minilm", "qwen3_embedding")
 
 
 class ConfigError(ValueError):
@@ -69,7 +69,11 @@ def _check_dataset(c: _Checker) -> None:
 
 def _check_encoder(c: _Checker) -> None:
   c.check("encoder.kind", lambda v: v in ENCODERS, f"one of {ENCODERS}")
-  c.check("encoder.dim", _positive_int, "a positive integer")
+  if c.get("encoder.kind") == "hashing":
+    c.check("encoder.dim", _positive_int, "a positive integer")
+  elif c.get("encoder.kind") == "qwen3_embedding":
+    c.check("encoder.path", lambda v: isinstance(v, str) and os.path.isdir(v),
+            "a HF checkpoint folder")
 
 
 def _check_memory(c: _Checker) -> None:
@@ -89,10 +93,24 @@ def _check_memory(c: _Checker) -> None:
                       "memory.core_cap_chars")
 
 
+def _check_reward(c: _Checker) -> None:
+  from cmimem_jax.cmi.reward import RewardConfig  # Heavy import: lazily.
+  try:
+    config = RewardConfig.from_config(c.config.reward)
+  except (TypeError, ValueError) as e:
+    c.problems.append(f"reward: {e}")
+    return
+  conditioning = config.conditioning
+  if conditioning.top_k < 1 or conditioning.n_recent < 0:
+    c.problems.append("reward.conditioning: top_k must be >= 1 and "
+                      "n_recent >= 0")
+
+
 _SECTIONS: dict[str, Callable[[_Checker], None]] = {
     "dataset": _check_dataset,
     "encoder": _check_encoder,
     "memory": _check_memory,
+    "reward": _check_reward,
 }
 
 

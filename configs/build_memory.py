@@ -6,6 +6,7 @@
 
 import ml_collections
 
+from cmimem_jax.cmi.reward import reward_defaults
 from cmimem_jax.config import memory_defaults
 
 
@@ -18,6 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
   })
   config.encoder = ml_collections.ConfigDict({"kind": "hashing", "dim": 512})
   config.memory = memory_defaults()
+  config.reward = reward_defaults()  # CMI terms of each session's response.
   config.policy = "annotations"
   config.show_questions = 3  # Retrieval examples printed per conversation.
   return config

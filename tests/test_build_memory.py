@@ -23,6 +23,9 @@ def test_demo_cli_builds_saves_and_reports(tmp_path, locomo_path):
   assert "invalid_responses" not in summary["conv-26"]
   bank = MemoryBank.load(str(tmp_path / "conv-26"))
   assert bank.step == 19 and len(bank) == summary["conv-26"]["entries"]
+  rewards = summary["conv-26"]["cmi_reward"]
+  assert rewards["scored_operations"] > 100
+  assert -0.5 <= rewards["mean_cmi"] <= 1.0
   # Annotation memories with provenance find most single-hop evidence.
   assert summary["conv-26"]["evidence_recall"]["single-hop"] > 0.3
 

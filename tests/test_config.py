@@ -19,6 +19,7 @@ def test_every_problem_is_reported_at_once():
   config.memory.compress_trigger = 1.5
   config.memory.compress_target_chars = 9000
   del config.memory["qa_top_k"]
+  config.reward.shaping = "cubic"
   with pytest.raises(ConfigError) as info:
     validate_config(config, required=("dataset", "policy_model"))
   message = str(info.value)
@@ -26,5 +27,6 @@ def test_every_problem_is_reported_at_once():
                    "encoder.dim=0", "memory.compress_trigger=1.5",
                    "memory.qa_top_k: missing",
                    "compress_target_chars must not exceed",
-                   "policy_model: missing section"]:
+                   "policy_model: missing section",
+                   "reward: shaping must be 'gaussian' or 'none'"]:
     assert expected in message

@@ -39,6 +39,20 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
   cmi.add_argument("--reps", type=int, default=3)
   cmi.add_argument("--quick", action="store_true",
                    help="smallest cases only (smoke test)")
+  for name, text in (("forward", "full forward vs transformers"),
+                     ("generate", "cached greedy generation vs transformers")):
+    model = sub.add_parser(name, help=text)
+    model.add_argument("--models", default="qwen3_0p6b,smollm2_135m",
+                       help="comma-separated presets (random weights)")
+    model.add_argument("--layers", type=int, default=0,
+                       help="override the layer count (0: preset's)")
+    model.add_argument("--batch", type=int, default=4)
+    model.add_argument("--length", type=int,
+                       default=512 if name == "forward" else 128,
+                       help="tokens per row (forward) or prompt length")
+    model.add_argument("--new_tokens", type=int, default=128)
+    model.add_argument("--reps", type=int, default=2)
+    model.add_argument("--devices", type=int, default=1)
   return parser.parse_args(argv)
 
 
@@ -46,6 +60,11 @@ ARGS = _parse_args(sys.argv[1:])
 # Must precede the first jax import: one XLA CPU device per core.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count={ARGS.devices}")
+# With several CPU devices each calling LAPACK (the N > 12 Cholesky) while
+# torch's OpenMP pool is alive, a threaded OpenBLAS was seen to deadlock
+# here; one BLAS thread per caller avoids it (the peers' tiny solves are
+# single-threaded anyway).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -306,5 +325,115 @@ def run_cmi() -> None:
       print(json.dumps(workload_case(d, mesh)), flush=True)
 
 
+# --- model scenarios ----------------------------------------------------------
+
+def _model_pair(name: str, workdir: str):
+  """The same random weights in transformers (fp32) and in our Flax model."""
+  import transformers
+
+  from cmimem_jax.models.qwen3 import load_hf, preset
+  overrides = {"num_hidden_layers": ARGS.layers} if ARGS.layers else {}
+  config = preset(name, **overrides)
+  hf_config = transformers.AutoConfig.for_model(**config.to_hf())
+  torch.manual_seed(0)
+  reference = transformers.AutoModelForCausalLM.from_config(
+      hf_config, torch_dtype=torch.float32).eval()
+  directory = os.path.join(workdir, name)
+  reference.save_pretrained(directory, safe_serialization=True)
+  return reference, load_hf(directory), config
+
+
+def run_forward() -> None:
+  import tempfile
+
+  from cmimem_jax.models.qwen3 import positions_from_mask
+  torch.set_num_threads(os.cpu_count() or 1)
+  for name in ARGS.models.split(","):
+    with tempfile.TemporaryDirectory() as workdir:
+      reference, ours, config = _model_pair(name, workdir)
+      rng = np.random.default_rng(0)
+      tokens = rng.integers(0, config.vocab_size, (ARGS.batch, ARGS.length))
+      mask = np.ones_like(tokens)
+      jtokens, jmask = jnp.asarray(tokens, jnp.int32), jnp.asarray(mask)
+      forward = nnx_jit_forward()
+      start = time.perf_counter()
+      logits = forward(ours, jtokens, jmask)
+      jax.block_until_ready(logits)
+      compile_s = time.perf_counter() - start
+      ours_s = best_time(lambda: forward(ours, jtokens, jmask), ARGS.reps)
+      ttokens = torch.from_numpy(tokens)
+      with torch.no_grad():
+        want = reference(input_ids=ttokens).logits.numpy()
+        torch_s = best_time(lambda: reference(input_ids=ttokens).logits,
+                            ARGS.reps)
+      n = ARGS.batch * ARGS.length
+      print(json.dumps({
+          "scenario": "forward", "model": name,
+          "layers": config.num_hidden_layers, "batch": ARGS.batch,
+          "length": ARGS.length,
+          "speedup_vs_transformers": round(torch_s / ours_s, 2),
+          "ours_tokens_per_s": round(n / ours_s, 1),
+          "transformers_tokens_per_s": round(n / torch_s, 1),
+          "ours_s": round(ours_s, 3), "transformers_s": round(torch_s, 3),
+          "compile_s": round(compile_s, 1),
+          "max_abs_logit_diff": float(np.max(np.abs(np.asarray(logits)
+                                                    - want))),
+      }), flush=True)
+
+
+def nnx_jit_forward():
+  from flax import nnx
+
+  from cmimem_jax.models.qwen3 import positions_from_mask
+
+  @nnx.jit
+  def forward(model, tokens, mask):
+    logits, _ = model(tokens, positions_from_mask(mask), mask)
+    return logits
+  return forward
+
+
+def run_generate() -> None:
+  import tempfile
+
+  from cmimem_jax.sampling import Sampler, SamplingConfig
+  torch.set_num_threads(os.cpu_count() or 1)
+  for name in ARGS.models.split(","):
+    with tempfile.TemporaryDirectory() as workdir:
+      reference, ours, config = _model_pair(name, workdir)
+      rng = np.random.default_rng(0)
+      prompts = rng.integers(1, config.vocab_size, (ARGS.batch, ARGS.length))
+      sampler = Sampler(ours, SamplingConfig(
+          temperature=0.0, max_new_tokens=ARGS.new_tokens, eos_ids=()),
+          buckets=(ARGS.length,))
+      key = jax.random.key(0)
+      start = time.perf_counter()
+      out = sampler(prompts.tolist(), key)
+      compile_s = time.perf_counter() - start
+      ours_s = best_time(lambda: sampler(prompts.tolist(), key).tokens,
+                         ARGS.reps)
+      tprompts = torch.from_numpy(prompts)
+      generate = lambda: reference.generate(  # noqa: E731
+          tprompts, attention_mask=torch.ones_like(tprompts),
+          max_new_tokens=ARGS.new_tokens, min_new_tokens=ARGS.new_tokens,
+          do_sample=False, use_cache=True, pad_token_id=0)
+      with torch.no_grad():
+        want = generate()[:, ARGS.length:].numpy()
+        torch_s = best_time(generate, ARGS.reps)
+      n = ARGS.batch * ARGS.new_tokens
+      print(json.dumps({
+          "scenario": "generate", "model": name,
+          "layers": config.num_hidden_layers, "batch": ARGS.batch,
+          "prompt": ARGS.length, "new_tokens": ARGS.new_tokens,
+          "speedup_vs_transformers": round(torch_s / ours_s, 2),
+          "ours_tokens_per_s": round(n / ours_s, 1),
+          "transformers_tokens_per_s": round(n / torch_s, 1),
+          "ours_s": round(ours_s, 3), "transformers_s": round(torch_s, 3),
+          "compile_s": round(compile_s, 1),
+          "greedy_token_agreement": float(np.mean(out.tokens == want)),
+      }), flush=True)
+
+
 if __name__ == "__main__":
-  {"cmi": run_cmi}[ARGS.command]()
+  {"cmi": run_cmi, "forward": run_forward,
+   "generate": run_generate}[ARGS.command]()

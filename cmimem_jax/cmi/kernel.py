@@ -100,10 +100,11 @@ def solve_corrections(gram: jax.Array, rhs: jax.Array, anchors: Anchors,
   return jsl.cho_solve((jnp.linalg.cholesky(gram), True), rhs)
 
 
-# Up to this N the factorisation is unrolled into [B]-vector ops (3-5x
-# faster on CPU than per-matrix LAPACK calls for N ~ 10; compile time grows
-# as N^2, so larger systems use XLA's Cholesky).
-UNROLL_MAX_N = 12
+# Up to this N the factorisation is unrolled into [B]-vector ops: 3-5x
+# faster on CPU than per-matrix LAPACK calls at N ~ 10, and free of LAPACK
+# custom calls, which were seen to hang when several XLA CPU devices run
+# them concurrently. Compile time grows as N^2 (about 10 s at N = 20).
+UNROLL_MAX_N = 24
 
 
 def _unrolled_cholesky_solve(gram: jax.Array, rhs: jax.Array) -> jax.Array:
@@ -150,14 +151,13 @@ def normalize_inputs(queries: jax.Array, memories: jax.Array,
                      mask: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Unit queries `[B, K, d]` and unit, masked memories `[B, N, d]`.
 
-  One normalisation over queries and memories together, so equal input rows
-  give bitwise-equal unit rows (the anchored difference relies on it).
-  Normalising before any product keeps every finite input finite.
+  Both go through the same row reduction, so equal input rows give
+  bitwise-equal unit rows when this runs as its own program (the anchored
+  difference relies on it; see `residual_cmi_unchecked`). Normalising before
+  any product keeps every finite input finite.
   """
-  k = queries.shape[-2]
-  rows = l2_normalize(jnp.concatenate([queries.astype(jnp.float32),
-                                       memories.astype(jnp.float32)], axis=-2))
-  return rows[..., :k, :], rows[..., k:, :] * mask.astype(jnp.float32)[..., None]
+  return (l2_normalize(queries),
+          l2_normalize(memories) * mask.astype(jnp.float32)[..., None])
 
 
 def normalized_residuals(queries: jax.Array, memories: jax.Array,

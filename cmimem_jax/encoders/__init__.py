@@ -6,9 +6,23 @@ __all__ = ["EncodeKind", "Encoder", "HashingEncoder"]
 
 
 def make_encoder(config) -> Encoder:
-  """Builds the encoder named by an `encoder` config section."""
+  """Builds the encoder named by an `encoder` config section.
+
+  kinds: "hashing" (dim), "minilm" (the embedded all-MiniLM-L6-v2, or
+  `path`), "qwen3_embedding" (`path` to a HF Qwen3-Embedding checkpoint).
+  """
   if config.kind == "hashing":
     return HashingEncoder(dim=config.dim)
+  # Neural encoders pull in transformers/flax: import only when asked.
+  from cmimem_jax.encoders import neural
+  path = config.get("path") or None
+  if config.kind == "minilm":
+    return neural.MiniLMEncoder(path)
+  if config.kind == "qwen3_embedding":
+    if not path:
+      raise ValueError("encoder.path must point to a Qwen3-Embedding "
+                       "checkpoint folder")
+    return neural.Qwen3EmbeddingEncoder(path)
   raise ValueError(f"unknown encoder kind {config.kind!r}")
 
 

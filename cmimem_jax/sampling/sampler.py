@@ -1,0 +1,202 @@
+"""KV-cache sampler for rollouts and inference (SPEC §2.4).
+
+Prompts are left-padded to a bucketed length (few compiled shapes), run
+through one prefill, then decoded in a `lax.while_loop` with a preallocated
+KV cache that is donated to the jitted program. Each step samples with
+temperature and top-p (greedy at temperature 0) and records the log-prob of
+the sampled token under the full temperature-scaled distribution (what the
+GRPO trainer recomputes). Rows stop at EOS or a stop sequence; lengths are
+per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from cmimem_jax.models.qwen3.model import KVCache, Qwen3, positions_from_mask
+
+DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  temperature: float = 0.8
+  top_p: float = 0.9
+  max_new_tokens: int = 256
+  eos_ids: tuple[int, ...] = ()
+  pad_id: int = 0
+
+  def __post_init__(self):
+    if self.temperature < 0 or not 0 < self.top_p <= 1:
+      raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+    if self.max_new_tokens < 1:
+      raise ValueError("max_new_tokens must be positive")
+
+
+@dataclasses.dataclass
+class SampleOutput:
+  """Generated tokens `[B, max_new]` (pad after the end), the log-prob of
+  each sampled token `[B, max_new]` (0 after the end), per-row `lengths`
+  (tokens generated, including the EOS), and the prompt layout used."""
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  lengths: np.ndarray
+  prompt_tokens: np.ndarray
+  prompt_mask: np.ndarray
+
+  def completions(self) -> list[list[int]]:
+    return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths)]
+
+
+def bucket_length(length: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
+  for bucket in buckets:
+    if length <= bucket:
+      return bucket
+  raise ValueError(f"prompt of {length} tokens exceeds the largest bucket "
+                   f"{buckets[-1]}")
+
+
+def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+  tokens = np.full((len(prompts), length), pad_id, np.int32)
+  mask = np.zeros((len(prompts), length), np.int32)
+  for row, prompt in enumerate(prompts):
+    if len(prompt) > length:
+      raise ValueError(f"prompt {row} has {len(prompt)} tokens > {length}")
+    if len(prompt):
+      tokens[row, length - len(prompt):] = prompt
+      mask[row, length - len(prompt):] = 1
+  return tokens, mask
+
+
+def sample_token(logits: jax.Array, key: jax.Array, temperature: float,
+                 top_p: float) -> tuple[jax.Array, jax.Array]:
+  """Samples from `[B, V]` float32 logits; returns (token, log-prob).
+
+  The log-prob is under the full distribution at `temperature` (1 when
+  greedy), before top-p truncation: the quantity the trainer recomputes.
+  """
+  if temperature == 0:
+    token = jnp.argmax(logits, axis=-1)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+  else:
+    scaled = logits / temperature
+    logprobs = jax.nn.log_softmax(scaled, axis=-1)
+    if top_p < 1.0:
+      order = jnp.argsort(-scaled, axis=-1)
+      sorted_probs = jnp.take_along_axis(jnp.exp(logprobs), order, axis=-1)
+      # Keep the smallest prefix whose mass reaches top_p (always >= 1).
+      keep_sorted = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p
+      keep = jnp.zeros_like(keep_sorted).at[
+          jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+      scaled = jnp.where(keep, scaled, -jnp.inf)
+    token = jax.random.categorical(key, scaled, axis=-1)
+  return token, jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+
+
+@functools.partial(nnx.jit, static_argnames=("config", "cache_length"),
+                   donate_argnames=("cache",))
+def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
+              cache: KVCache, key: jax.Array, stop_table: jax.Array,
+              config: SamplingConfig, cache_length: int):
+  batch, prompt_length = tokens.shape
+  positions = positions_from_mask(mask)
+  logits, cache = model(tokens, positions, mask, cache=cache, cache_index=0)
+  last_logits = logits[:, -1]
+  next_position = positions[:, -1] + 1
+  eos = jnp.asarray(config.eos_ids or (-1,), jnp.int32)
+
+  out_tokens = jnp.full((batch, config.max_new_tokens), config.pad_id,
+                        jnp.int32)
+  out_logprobs = jnp.zeros((batch, config.max_new_tokens), jnp.float32)
+  done = jnp.zeros((batch,), bool)
+  lengths = jnp.zeros((batch,), jnp.int32)
+
+  def cond(state):
+    step, _, _, _, _, done, _, _, _ = state
+    return (step < config.max_new_tokens) & ~jnp.all(done)
+
+  def body(state):
+    (step, last_logits, cache, out_tokens, out_logprobs, done, lengths,
+     next_position, key) = state
+    key, sub = jax.random.split(key)
+    token, logprob = sample_token(last_logits, sub, config.temperature,
+                                  config.top_p)
+    token = jnp.where(done, config.pad_id, token).astype(jnp.int32)
+    out_tokens = out_tokens.at[:, step].set(token)
+    out_logprobs = out_logprobs.at[:, step].set(jnp.where(done, 0.0, logprob))
+    lengths = lengths + (~done).astype(jnp.int32)
+    finished = jnp.isin(token, eos) | _ends_with_stop(
+        out_tokens, step, stop_table)
+    new_done = done | finished
+    step_mask = (~done).astype(jnp.int32)[:, None]
+    logits, cache = model(token[:, None], next_position[:, None], step_mask,
+                          cache=cache, cache_index=prompt_length + step)
+    return (step + 1, logits[:, 0], cache, out_tokens, out_logprobs, new_done,
+            lengths, next_position + 1, key)
+
+  state = (jnp.int32(0), last_logits, cache, out_tokens, out_logprobs, done,
+           lengths, next_position, key)
+  _, _, _, out_tokens, out_logprobs, _, lengths, _, _ = jax.lax.while_loop(
+      cond, body, state)
+  return out_tokens, out_logprobs, lengths
+
+
+def _ends_with_stop(tokens: jax.Array, step: jax.Array,
+                    stop_table: jax.Array) -> jax.Array:
+  """Whether each row's output ends with any stop sequence at `step`.
+
+  `stop_table` `[S, L]` holds stop token sequences right-aligned, padded
+  with -1 (matches anything).
+  """
+  if stop_table.shape[0] == 0:
+    return jnp.zeros(tokens.shape[0], bool)
+  length = stop_table.shape[1]
+  # Left-pad with a value no stop token has, so early steps never match;
+  # padded[:, step + 1 : step + 1 + length] == tokens[:, step - length + 1 :
+  # step + 1].
+  padded = jnp.pad(tokens, [(0, 0), (length, 0)], constant_values=-2)
+  window = jax.lax.dynamic_slice_in_dim(padded, step + 1, length, axis=1)
+  match = (stop_table[None] == window[:, None]) | (stop_table[None] < 0)
+  return jnp.any(jnp.all(match, axis=-1), axis=-1)
+
+
+class Sampler:
+  """Batched generation with a Flax `Qwen3` policy."""
+
+  def __init__(self, model: Qwen3, config: SamplingConfig = SamplingConfig(),
+               buckets: Sequence[int] = DEFAULT_BUCKETS,
+               stop_sequences: Sequence[Sequence[int]] = ()):
+    self.model = model
+    self.config = config
+    self.buckets = tuple(buckets)
+    width = max((len(s) for s in stop_sequences), default=0)
+    table = np.full((len(stop_sequences), width), -1, np.int32)
+    for i, seq in enumerate(stop_sequences):
+      table[i, width - len(seq):] = seq
+    self.stop_table = jnp.asarray(table)
+
+  def __call__(self, prompts: Sequence[Sequence[int]], key: jax.Array,
+               config: SamplingConfig | None = None) -> SampleOutput:
+    """Generates for token-id prompts (any lengths; left-padded here)."""
+    config = config or self.config
+    length = bucket_length(max(len(p) for p in prompts), self.buckets)
+    tokens, mask = left_pad(prompts, length, config.pad_id)
+    cache_length = length + config.max_new_tokens
+    if cache_length > self.model.config.max_position_embeddings:
+      raise ValueError(f"prompt bucket {length} + {config.max_new_tokens} new "
+                       f"tokens exceeds max_position_embeddings "
+                       f"{self.model.config.max_position_embeddings}")
+    cache = KVCache.zeros(self.model.config, len(prompts), cache_length)
+    out_tokens, out_logprobs, lengths = _generate(
+        self.model, jnp.asarray(tokens), jnp.asarray(mask), cache, key,
+        self.stop_table, config, cache_length)
+    return SampleOutput(np.asarray(out_tokens), np.asarray(out_logprobs),
+                        np.asarray(lengths), tokens, mask)

@@ -1,0 +1,103 @@
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from cmimem_jax.encoders import Encoder
+from cmimem_jax.encoders.neural import (MiniLMEncoder, Qwen3EmbeddingEncoder,
+                                        minilm_directory)
+from cmimem_jax.models.bert import load_bert, mean_pool
+from cmimem_jax.models.qwen3 import load_hf, positions_from_mask
+from cmimem_jax.encoders.neural import last_token_pool
+
+from conftest import left_padded_batch  # noqa: I100
+
+
+def _random_bert(tmp_path):
+  config = transformers.BertConfig(vocab_size=120, hidden_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=96,
+                                   max_position_embeddings=64)
+  torch.manual_seed(0)
+  model = transformers.BertModel(config, add_pooling_layer=False).eval()
+  model.save_pretrained(tmp_path / "bert", safe_serialization=True)
+  return model, str(tmp_path / "bert")
+
+
+def test_bert_mean_pooled_embeddings_match_transformers(tmp_path):
+  hf, directory = _random_bert(tmp_path)
+  ours = load_bert(directory)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(1, 120, (3, 10)).astype(np.int32)
+  mask = np.ones((3, 10), np.int32)
+  mask[1, 6:] = 0
+  mask[2, 3:] = 0
+  with torch.no_grad():
+    hidden = hf(input_ids=torch.from_numpy(tokens).long(),
+                attention_mask=torch.from_numpy(mask).long()).last_hidden_state
+  m = torch.from_numpy(mask)[..., None].float()
+  want = ((hidden * m).sum(1) / m.sum(1))
+  want = torch.nn.functional.normalize(want, dim=-1).numpy()
+  got = np.asarray(mean_pool(ours(tokens, mask), mask))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_qwen3_embedding_last_token_matches_transformers(tmp_path):
+  config = transformers.Qwen3Config(
+      vocab_size=90, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+      rope_theta=1e6, max_position_embeddings=128)
+  torch.manual_seed(1)
+  hf = transformers.Qwen3Model(config).eval()
+  hf.save_pretrained(tmp_path / "emb", safe_serialization=True)
+  ours = load_hf(str(tmp_path / "emb"), lm_head=False)
+  tokens, mask = left_padded_batch(90, [9, 4, 6], 9, seed=2)
+  positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+  with torch.no_grad():
+    hidden = hf(input_ids=torch.from_numpy(tokens).long(),
+                attention_mask=torch.from_numpy(mask).long(),
+                position_ids=torch.from_numpy(positions).long()
+                ).last_hidden_state[:, -1]
+  want = torch.nn.functional.normalize(hidden, dim=-1).numpy()
+  got_hidden, _ = ours.hidden_states(tokens, positions_from_mask(mask), mask)
+  got = np.asarray(last_token_pool(got_hidden, mask))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  # Right padding pools the same real token.
+  right_tokens = np.zeros_like(tokens)
+  right_mask = np.zeros_like(mask)
+  for r in range(3):
+    n = mask[r].sum()
+    right_tokens[r, :n] = tokens[r, -n:]
+    right_mask[r, :n] = 1
+  right_hidden, _ = ours.hidden_states(right_tokens,
+                                       positions_from_mask(right_mask),
+                                       right_mask)
+  np.testing.assert_allclose(last_token_pool(right_hidden, right_mask), want,
+                             atol=1e-5)
+
+
+def test_minilm_package_encoder_is_real_and_normalised():
+  try:
+    minilm_directory()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  encoder = MiniLMEncoder(batch_size=4)
+  assert isinstance(encoder, Encoder) and encoder.dim == 384
+  texts = ["I adopted a beagle named Rex.", "My dog Rex is a beagle.",
+           "The stock market fell sharply today.", "", "x " * 400]
+  vectors = encoder.encode(texts)
+  assert vectors.shape == (5, 384) and vectors.dtype == np.float32
+  np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
+  assert vectors[0] @ vectors[1] > vectors[0] @ vectors[2] + 0.3
+  # Same text, same vector regardless of batch composition.
+  np.testing.assert_allclose(encoder.encode([texts[2]])[0], vectors[2],
+                             atol=1e-5)
+  # Reference: sentence-transformers' recipe in transformers.
+  tok = transformers.AutoTokenizer.from_pretrained(minilm_directory())
+  hf = transformers.AutoModel.from_pretrained(minilm_directory()).eval()
+  batch = tok(texts[:3], padding=True, return_tensors="pt")
+  with torch.no_grad():
+    hidden = hf(**batch).last_hidden_state
+  m = batch["attention_mask"][..., None].float()
+  want = torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
+  np.testing.assert_allclose(vectors[:3], want.numpy(), atol=1e-5)
