@@ -28,6 +28,7 @@ setuptools.setup(
             "pytest>=9.0",
             "pytest-timeout>=2.4.0",
             "hypothesis>=6.170",
+            "accelerate>=1.0",  # transformers needs it to load GGUF files.
         ],
     },
     license="Apache-2.0",

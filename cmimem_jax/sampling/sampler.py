@@ -108,6 +108,8 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
               config: SamplingConfig, cache_length: int):
   batch, prompt_length = tokens.shape
   positions = positions_from_mask(mask)
+  # The cache buffer is reused across calls: forget what it held.
+  cache = KVCache(cache.keys, cache.values, jnp.zeros_like(cache.valid))
   logits, cache = model(tokens, positions, mask, cache=cache, cache_index=0)
   last_logits = logits[:, -1]
   next_position = positions[:, -1] + 1
@@ -144,9 +146,9 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
 
   state = (jnp.int32(0), last_logits, cache, out_tokens, out_logprobs, done,
            lengths, next_position, key)
-  _, _, _, out_tokens, out_logprobs, _, lengths, _, _ = jax.lax.while_loop(
+  _, _, cache, out_tokens, out_logprobs, _, lengths, _, _ = jax.lax.while_loop(
       cond, body, state)
-  return out_tokens, out_logprobs, lengths
+  return out_tokens, out_logprobs, lengths, cache
 
 
 def _ends_with_stop(tokens: jax.Array, step: jax.Array,
@@ -182,6 +184,7 @@ class Sampler:
     for i, seq in enumerate(stop_sequences):
       table[i, width - len(seq):] = seq
     self.stop_table = jnp.asarray(table)
+    self._caches: dict[tuple[int, int], KVCache] = {}
 
   def __call__(self, prompts: Sequence[Sequence[int]], key: jax.Array,
                config: SamplingConfig | None = None) -> SampleOutput:
@@ -194,8 +197,12 @@ class Sampler:
       raise ValueError(f"prompt bucket {length} + {config.max_new_tokens} new "
                        f"tokens exceeds max_position_embeddings "
                        f"{self.model.config.max_position_embeddings}")
-    cache = KVCache.zeros(self.model.config, len(prompts), cache_length)
-    out_tokens, out_logprobs, lengths = _generate(
+    shape = (len(prompts), cache_length)
+    # One preallocated cache per shape, donated to the program and handed
+    # back, so decoding updates it in place and calls never reallocate it.
+    cache = self._caches.pop(shape, None) or KVCache.zeros(
+        self.model.config, *shape)
+    out_tokens, out_logprobs, lengths, self._caches[shape] = _generate(
         self.model, jnp.asarray(tokens), jnp.asarray(mask), cache, key,
         self.stop_table, config, cache_length)
     return SampleOutput(np.asarray(out_tokens), np.asarray(out_logprobs),

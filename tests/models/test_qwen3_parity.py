@@ -61,5 +61,8 @@ def test_config_from_hf_and_errors(tmp_path):
                                                                    True)
   with pytest.raises(ValueError, match="multiple"):
     Qwen3Config(**{**config.__dict__, "num_key_value_heads": 3})
-  with pytest.raises(FileNotFoundError, match="model.safetensors"):
+  with pytest.raises(FileNotFoundError, match="config.json"):
     load_hf(str(tmp_path))
+  (tmp_path / "config.json").write_text("{}")
+  with pytest.raises(FileNotFoundError, match="model.safetensors"):
+    load_hf(str(tmp_path), config=config)

@@ -76,11 +76,15 @@ def test_eos_and_stop_sequences(model):
   assert out.lengths[0] == list(first.tokens[0]).index(eos) + 1
   assert (out.tokens[0, out.lengths[0]:] == 0).all()
   assert (out.logprobs[0, out.lengths[0]:] == 0).all()
-  seq = [int(t) for t in first.tokens[1, 1:3]]
+  row = [int(t) for t in first.tokens[1]]
+  seq = row[1:3]
+  # The first place the pair occurs decides where row 1 stops.
+  end = next(i + 2 for i in range(5) if row[i:i + 2] == seq)
   by_stop = Sampler(model, SamplingConfig(temperature=0.0, max_new_tokens=6),
                     buckets=(8,), stop_sequences=[seq])(PROMPTS,
                                                         jax.random.key(0))
-  assert by_stop.lengths[1] == 3
+  assert by_stop.lengths[1] == end
+  np.testing.assert_array_equal(by_stop.tokens[1, :end], row[:end])
 
 
 def test_prompt_too_long(model):

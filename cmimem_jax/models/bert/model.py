@@ -96,11 +96,11 @@ class Bert(nnx.Module):
     c = self.config
     b, t = tokens.shape
     heads, dim = c.num_attention_heads, c.hidden_size // c.num_attention_heads
-    x = (jnp.take(self.word_embeddings.value, tokens, axis=0)
-         + self.position_embeddings.value[None, :t]
-         + self.token_type_embeddings.value[0])
-    x = layer_norm(x, self.embed_norm_weight.value,
-                   self.embed_norm_bias.value, c.layer_norm_eps)
+    x = (jnp.take(self.word_embeddings[...], tokens, axis=0)
+         + self.position_embeddings[...][None, :t]
+         + self.token_type_embeddings[...][0])
+    x = layer_norm(x, self.embed_norm_weight[...],
+                   self.embed_norm_bias[...], c.layer_norm_eps)
     key_mask = attention_mask.astype(bool)[:, None, None, :]
 
     def layer(x, p):
@@ -121,7 +121,7 @@ class Bert(nnx.Module):
       return layer_norm(x + out, p["output_norm_weight"],
                         p["output_norm_bias"], c.layer_norm_eps), None
 
-    stacked = {name: getattr(self, name).value for name in self._LAYER_PARAMS}
+    stacked = {name: getattr(self, name)[...] for name in self._LAYER_PARAMS}
     x, _ = jax.lax.scan(layer, x, stacked)
     return x
 

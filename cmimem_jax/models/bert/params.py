@@ -61,8 +61,8 @@ def load_bert(directory: str) -> Bert:
     else:
       array = source.get(prefix + template)
       array = array.T if transpose else array
-    if array.shape != leaf.value.shape:
+    if array.shape != leaf.get_value().shape:
       raise ValueError(f"{name}: checkpoint {array.shape} != model "
-                       f"{leaf.value.shape}")
+                       f"{leaf.get_value().shape}")
     flat.append((path, leaf.replace(jnp.asarray(array, jnp.float32))))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))

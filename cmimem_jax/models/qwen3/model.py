@@ -74,6 +74,12 @@ class Qwen3Config:
     model_type = hf.get("model_type", "qwen3")
     heads = hf["num_attention_heads"]
     eos = hf.get("eos_token_id")
+    # transformers >= 5 nests RoPE settings in `rope_parameters`; older
+    # checkpoints (Qwen3-4B-2507 as released) use `rope_theta`/`rope_scaling`.
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+      raise NotImplementedError(f"RoPE scaling {rope} is not supported")
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
     values = dict(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"],
@@ -82,16 +88,13 @@ class Qwen3Config:
         num_key_value_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_theta=float(theta),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qk_norm=model_type.startswith("qwen3"),
         attention_bias=bool(hf.get("attention_bias", False)),
         max_position_embeddings=hf.get("max_position_embeddings", 32768),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
-    if hf.get("rope_scaling"):
-      raise NotImplementedError(f"rope_scaling {hf['rope_scaling']} is not "
-                                "supported")
     values.update(overrides)
     return cls(**values)
 
@@ -115,6 +118,8 @@ class Qwen3Config:
         "num_key_value_heads": self.num_key_value_heads,
         "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
         "rope_theta": self.rope_theta,
+        "rope_parameters": {"rope_type": "default",
+                            "rope_theta": self.rope_theta},
         "tie_word_embeddings": self.tie_word_embeddings,
         "attention_bias": self.attention_bias, "hidden_act": "silu",
         "max_position_embeddings": self.max_position_embeddings,
@@ -315,7 +320,7 @@ class Qwen3(nnx.Module):
     self.has_lm_head = lm_head
 
   def _stacked(self) -> dict[str, jax.Array]:
-    return {name: value.value for name, value in vars(self.layers).items()
+    return {name: value[...] for name, value in vars(self.layers).items()
             if isinstance(value, nnx.Param)}
 
   def hidden_states(self, tokens: jax.Array, positions: jax.Array,
@@ -336,7 +341,7 @@ class Qwen3(nnx.Module):
       `(hidden [B, T, H], updated cache or None)`.
     """
     c = self.config
-    x = jnp.take(self.embed.value, tokens, axis=0).astype(c.compute_dtype)
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(c.compute_dtype)
     cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
     real = attention_mask.astype(bool)
     t = tokens.shape[1]
@@ -375,13 +380,13 @@ class Qwen3(nnx.Module):
       x, (keys, values) = jax.lax.scan(
           body, x, (self._stacked(), cache.keys, cache.values))
       new_cache = KVCache(keys, values, valid)
-    return rms_norm(x, self.final_norm.value, c.rms_norm_eps), new_cache
+    return rms_norm(x, self.final_norm[...], c.rms_norm_eps), new_cache
 
   def head_weight(self) -> jax.Array:
     """`[H, V]` output projection (the embedding, transposed, when tied)."""
     if self.lm_head is not None:
-      return self.lm_head.value
-    return self.embed.value.T
+      return self.lm_head[...]
+    return self.embed[...].T
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """float32 `[..., V]` logits from hidden states."""

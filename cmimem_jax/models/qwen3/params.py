@@ -131,9 +131,9 @@ def load_tensors(model: Qwen3, get: Callable[[str], np.ndarray | None],
       if array is None:
         raise KeyError(f"missing tensor {template!r}")
       array = array.T if transpose else array
-    if tuple(array.shape) != tuple(leaf.value.shape):
+    if tuple(array.shape) != tuple(leaf.get_value().shape):
       raise ValueError(f"{path}: checkpoint shape {array.shape} != model "
-                       f"{leaf.value.shape}")
+                       f"{leaf.get_value().shape}")
     array = np.asarray(array, dtype=np.float32).astype(dtype)
     sharding = sharding_fn(path, array.shape) if sharding_fn else None
     values[path] = (jax.device_put(array, sharding) if sharding is not None
@@ -169,7 +169,7 @@ def hf_tensors(model: Qwen3) -> Iterator[tuple[str, np.ndarray]]:
   prefix = "model." if model.has_lm_head else ""
   for path, leaf in _param_paths(model).items():
     template, transpose = KEY_MAP[path]
-    array = np.asarray(jax.device_get(leaf.value), np.float32)
+    array = np.asarray(jax.device_get(leaf.get_value()), np.float32)
     name = template if path == "lm_head" else prefix + template
     if "{i}" in template:
       for i, layer in enumerate(array):
@@ -236,16 +236,16 @@ _GGUF_LAYER = {
 }
 
 
-def unpermute_qk(weight: np.ndarray, heads: int) -> np.ndarray:
-  """Undoes llama.cpp's `permute` of Llama q/k rows (interleaved RoPE pairs
-  -> rotate-half halves). `weight` is HF `[heads * head_dim, in]`."""
+def permute_qk(weight: np.ndarray, heads: int) -> np.ndarray:
+  """llama.cpp's converter `permute` of Llama q/k rows (HF rotate-half
+  halves -> interleaved RoPE pairs). `weight` is `[heads * head_dim, in]`."""
   rows = weight.shape[0]
   return (weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:])
           .swapaxes(1, 2).reshape(weight.shape))
 
 
-def permute_qk(weight: np.ndarray, heads: int) -> np.ndarray:
-  """llama.cpp's permutation (inverse of `unpermute_qk`)."""
+def unpermute_qk(weight: np.ndarray, heads: int) -> np.ndarray:
+  """Inverse of `permute_qk`: GGUF q/k rows back to HF layout."""
   rows = weight.shape[0]
   return (weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:])
           .swapaxes(1, 2).reshape(weight.shape))
