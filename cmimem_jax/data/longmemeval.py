@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 
-from cmimem_jax.data.schema import RecordReader, parse_date_field, read_json
-from cmimem_jax.data.types import DatasetError, Dialogue, Question, Session, Turn
+from cmimem_jax.data.schema import RecordReader, iter_records, parse_date_field
+from cmimem_jax.data.types import Dialogue, Question, Session, Turn
 
 LONGMEMEVAL_TYPES: tuple[str, ...] = (
     "knowledge-update",
@@ -93,14 +93,9 @@ def load_longmemeval(path: str) -> list[Dialogue]:
   Raises:
     DatasetError: naming file, record and field on any schema violation.
   """
-  data = read_json(path)
-  if not isinstance(data, list):
-    raise DatasetError(path, None, None, "expected a list of records")
   dialogues = []
-  for record_index, raw in enumerate(data):
-    reader = RecordReader(path, record_index, raw)
-    question_id = reader.get("question_id", str)
-    reader.record_id = question_id
+  for reader in iter_records(path, "question_id"):
+    question_id = reader.record_id
     sessions = _load_sessions(reader)
     answer = reader.get("answer", (str, int, float))
     # Some releases store non-string answers; keep them readable as text.

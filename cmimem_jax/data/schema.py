@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from cmimem_jax.data.types import DatasetError
@@ -81,6 +82,18 @@ class RecordReader:
       if not isinstance(value, item_types):
         self.fail(f"{field}[{i}]", f"unexpected {type(value).__name__}")
     return values
+
+
+def iter_records(path: str, id_field: str) -> Iterator[RecordReader]:
+  """Readers for the records of a JSON list file, each named by `id_field`
+  once it is read (errors before that name the record's index)."""
+  data = read_json(path)
+  if not isinstance(data, list):
+    raise DatasetError(path, None, None, "expected a list of records")
+  for index, raw in enumerate(data):
+    reader = RecordReader(path, index, raw)
+    reader.record_id = reader.get(id_field, str)
+    yield reader
 
 
 _LOCOMO_DATE = re.compile(

@@ -382,16 +382,14 @@ class Qwen3(nnx.Module):
       new_cache = KVCache(keys, values, valid)
     return rms_norm(x, self.final_norm[...], c.rms_norm_eps), new_cache
 
-  def head_weight(self) -> jax.Array:
-    """`[H, V]` output projection (the embedding, transposed, when tied)."""
-    if self.lm_head is not None:
-      return self.lm_head[...]
-    return self.embed[...].T
-
   def logits(self, hidden: jax.Array) -> jax.Array:
     """float32 `[..., V]` logits from hidden states."""
-    return jnp.einsum("...h,hv->...v", hidden.astype(jnp.float32),
-                      self.head_weight().astype(jnp.float32))
+    hidden = hidden.astype(jnp.float32)
+    if self.lm_head is None:  # Tied: contract with the embedding directly.
+      return jnp.einsum("...h,vh->...v", hidden,
+                        self.embed[...].astype(jnp.float32))
+    return jnp.einsum("...h,hv->...v", hidden,
+                      self.lm_head[...].astype(jnp.float32))
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                attention_mask: jax.Array | None = None,

@@ -1,0 +1,84 @@
+"""Sharded loading, remat, dtype policy and the reference-comparison tool."""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from cmimem_jax.models.qwen3 import Qwen3, load_hf, positions_from_mask, preset
+
+from conftest import hf_causal_lm, left_padded_batch  # noqa: I100
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+import compare_reference  # noqa: E402
+
+
+def test_load_onto_a_mesh_with_per_parameter_shardings(tmp_path):
+  if len(jax.devices()) < 8:
+    pytest.skip("needs the 8 fake CPU devices set up in conftest")
+  _, directory = hf_causal_lm(tmp_path, "qwen3", vocab_size=96,
+                              intermediate_size=96)
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))
+
+  def sharding_fn(path, shape):
+    if path == "embed":
+      return NamedSharding(mesh, P("tensor", "fsdp"))
+    if path.startswith("layers.") and len(shape) == 3:  # [L, in, out]
+      return NamedSharding(mesh, P(None, "fsdp", "tensor"))
+    return NamedSharding(mesh, P())
+
+  sharded = load_hf(directory, sharding_fn=sharding_fn)
+  plain = load_hf(directory)
+  assert sharded.embed[...].sharding.spec == P("tensor", "fsdp")
+  assert sharded.layers.gate_proj[...].sharding.spec == P(None, "fsdp",
+                                                          "tensor")
+  assert len(sharded.layers.gate_proj[...].addressable_shards) == 8
+  tokens, mask = left_padded_batch(96, [7, 4], 8)
+  a, _ = nnx.jit(lambda m, t, k: m(t, positions_from_mask(k), k))(
+      sharded, tokens, mask)
+  b, _ = plain(tokens, positions_from_mask(mask), mask)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_changes_nothing_but_memory(remat):
+  config = preset("tiny", vocab_size=64)
+  base = Qwen3(config, rngs=nnx.Rngs(0))
+  other = Qwen3(preset("tiny", vocab_size=64, remat=remat), rngs=nnx.Rngs(0))
+  tokens = jnp.arange(12).reshape(2, 6) % 64
+
+  def loss(model):
+    logits, _ = model(tokens)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+  g1 = nnx.grad(loss)(base)
+  g2 = nnx.grad(loss)(other)
+  for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+
+
+def test_bfloat16_compute_keeps_float32_logits():
+  model = Qwen3(preset("tiny", vocab_size=64, dtype="bfloat16",
+                       param_dtype="bfloat16"), rngs=nnx.Rngs(0))
+  reference = Qwen3(preset("tiny", vocab_size=64), rngs=nnx.Rngs(0))
+  # Same weights, stored in bfloat16.
+  nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                                 nnx.state(reference, nnx.Param)))
+  tokens = jnp.arange(10).reshape(2, 5)
+  logits, _ = model(tokens)
+  want, _ = reference(tokens)
+  assert logits.dtype == jnp.float32
+  assert model.layers.q_proj[...].dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(want), atol=0.05)
+
+
+def test_compare_reference_tool(tmp_path, capsys):
+  _, directory = hf_causal_lm(tmp_path, "llama", tie_word_embeddings=True)
+  result = compare_reference.main(["--hf_checkpoint", directory])
+  assert result["kind"] == "causal_lm" and result["max_abs_diff"] < 1e-4
+  assert '"max_abs_diff"' in capsys.readouterr().out
