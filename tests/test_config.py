@@ -15,6 +15,7 @@ def test_every_problem_is_reported_at_once():
   config = build_memory.get_config()
   config.dataset.name = "squad"
   config.dataset.path = "/nonexistent.json"
+  config.encoder.kind = "hashing"
   config.encoder.dim = 0
   config.memory.compress_trigger = 1.5
   config.memory.compress_target_chars = 9000
