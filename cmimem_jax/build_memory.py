@@ -29,8 +29,9 @@ from cmimem_jax.config import validate_config
 from cmimem_jax.data import Dialogue, load_dataset
 from cmimem_jax.encoders import Encoder, make_encoder
 from cmimem_jax.memory import (CoreConfig, MemoryBank, apply_response,
-                               lookup_chunks, parse, render, retrieve)
+                               lookup_chunks, parse, render)
 from cmimem_jax.memory.annotations import locomo_annotation_operations
+from cmimem_jax.memory.bank import embed_texts
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where banks are written.")
@@ -102,10 +103,14 @@ def evidence_recall(dialogue: Dialogue, bank: MemoryBank, encoder: Encoder,
                     config, show: int = 0) -> dict[str, float]:
   """Mean fraction of each question's evidence turns found by Alg. 2 lookup."""
   by_category: dict[str, list[float]] = collections.defaultdict(list)
-  for i, question in enumerate(dialogue.questions):
+  # One encoder call for all questions (an encoder batch per question would
+  # dominate the run time).
+  queries = embed_texts(encoder, [q.question for q in dialogue.questions],
+                        kind="query")
+  for i, (question, query) in enumerate(zip(dialogue.questions, queries)):
     if not question.evidence:
       continue
-    hits = retrieve(bank, encoder, question.question, config.memory.qa_top_k)
+    hits = bank.search(query, config.memory.qa_top_k)
     chunks = lookup_chunks(hits, dialogue, config.memory.chunk_budget_chars)
     found = {t.turn_id for c in chunks for t in c.turns}
     recall = sum(e in found for e in question.evidence) / len(question.evidence)
