@@ -35,13 +35,10 @@ def _normalize_all(bank_vectors: jax.Array, entry_valid: jax.Array,
 def _gather_rows(table: jax.Array, index: jax.Array) -> jax.Array:
   """`table[b, index[b, ...]]` for `table` `[Bk, M, ...]`, `index` `[Bk, ...]`.
 
-  One flat gather (no broadcast of the table over the index dimensions).
+  A gather batched over banks: no broadcast of the table over the index
+  dimensions, and banks sharded over devices stay local.
   """
-  bk, m = table.shape[:2]
-  offsets = (jnp.arange(bk, dtype=index.dtype) * m).reshape(
-      (bk,) + (1,) * (index.ndim - 1))
-  flat = table.reshape((bk * m,) + table.shape[2:])
-  return jnp.take(flat, index + offsets, axis=0)
+  return jax.vmap(lambda rows, i: jnp.take(rows, i, axis=0))(table, index)
 
 
 def _gather_pairs(matrix: jax.Array, index: jax.Array) -> jax.Array:
@@ -51,8 +48,7 @@ def _gather_pairs(matrix: jax.Array, index: jax.Array) -> jax.Array:
   return _gather_rows(matrix.reshape(bk, m * m), pairs)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _select(vectors, entry_valid, recent, e_ctx, e_new, e_old, has_old,
+def _select(vectors, entry_valid, recent, e_ctx, e_new, e_old, has_old, *,
             config: ConditioningConfig):
   """Retrieval scores (bank-level GEMMs) and conditioning sets."""
   score = functools.partial(jnp.einsum, "bqd,bmd->bqm", precision=_HIGHEST)
@@ -83,9 +79,8 @@ def _union(index: np.ndarray, mask: np.ndarray, multiple: int = 32
   return union, union_valid, local
 
 
-@functools.partial(jax.jit, static_argnames=("min_memories",))
 def _rho_on_union(vectors, union, local, index, mask, s_ctx, s_new, s_old,
-                  e_ctx, e_new, e_old, lam, min_memories: int):
+                  e_ctx, e_new, e_old, *, lam: float, min_memories: int):
   """Anchored residuals with Gram blocks gathered from the union's Gram."""
   bk, o, d = e_new.shape
   n = index.shape[-1]
@@ -140,6 +135,28 @@ def _rho_on_union(vectors, union, local, index, mask, s_ctx, s_new, s_old,
 _normalize_jit = jax.jit(_normalize_all)
 
 
+@functools.lru_cache(maxsize=64)
+def _per_bank_program(fn, mesh: jax.sharding.Mesh | None, axis: str | None,
+                      **static):
+  """`fn` jitted; with banks sharded over a mesh axis, run per device under
+  `shard_map` (banks are independent: no collective is ever needed, where
+  XLA's partitioner would gather top-k and scatter inputs across devices)."""
+  body = functools.partial(fn, **static)
+  if mesh is not None:
+    body = jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec(axis),
+                         out_specs=PartitionSpec(axis), check_vma=False)
+  return jax.jit(body)
+
+
+def _bank_axis(array: jax.Array) -> tuple[jax.sharding.Mesh | None,
+                                           str | None]:
+  sharding = getattr(array, "sharding", None)
+  if (isinstance(sharding, NamedSharding) and sharding.spec
+      and isinstance(sharding.spec[0], str) and sharding.mesh.size > 1):
+    return sharding.mesh, sharding.spec[0]
+  return None, None
+
+
 def _like(host: np.ndarray, reference: jax.Array) -> jax.Array:
   """Places a host array split over banks the way `reference` is."""
   sharding = reference.sharding
@@ -185,14 +202,17 @@ def banked_rho(bank_vectors: jax.Array | np.ndarray,
       jnp.asarray(bank_vectors, jnp.float32), entry_valid,
       jnp.asarray(e_ctx, jnp.float32), jnp.asarray(e_new, jnp.float32),
       jnp.asarray(e_old, jnp.float32))
-  s_ctx, s_new, s_old, index, mask = _select(
-      vectors, entry_valid, jnp.asarray(recent, jnp.int32), ctx, new, old,
-      jnp.asarray(has_old, bool), config)
+  mesh, axis = _bank_axis(vectors)
+  s_ctx, s_new, s_old, index, mask = _per_bank_program(
+      _select, mesh, axis, config=config)(
+          vectors, entry_valid, _like(np.asarray(recent, np.int32), vectors),
+          ctx, new, old, jnp.asarray(has_old, bool))
   # The sets of a bank overlap (shared e_C and recent entries): the Gram of
   # their union is a fraction of the full bank Gram. Its size is data
   # dependent, so it is taken on the host and bucketed.
   union, _, local = _union(np.asarray(index), np.asarray(mask))
-  rho_new, rho_old = _rho_on_union(
-      vectors, _like(union, index), _like(local, index), index, mask, s_ctx,
-      s_new, s_old, ctx, new, old, jnp.float32(lam), min_memories)
+  rho_new, rho_old = _per_bank_program(
+      _rho_on_union, mesh, axis, lam=float(lam), min_memories=min_memories)(
+          vectors, _like(union, index), _like(local, index), index, mask,
+          s_ctx, s_new, s_old, ctx, new, old)
   return rho_new, rho_old, index, mask

@@ -88,3 +88,27 @@ def test_nan_input_raises():
   inputs[4][1, 2, 3] = np.nan
   with pytest.raises(ValueError, match="e_new has NaN"):
     banked_rho(*inputs)
+
+
+def test_banks_sharded_over_devices_give_the_same_result():
+  import jax
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  if len(jax.devices()) < 2:
+    pytest.skip("needs several (fake) CPU devices")
+  rng = np.random.default_rng(4)
+  banks, entries, ops, d = 4, 30, 6, 16
+  inputs = [rng.normal(size=(banks, entries, d)).astype(np.float32),
+            rng.random((banks, entries)) < 0.9,
+            np.array([[3, 7], [1, -1], [-1, -1], [0, 2]]),
+            rng.normal(size=(banks, d)).astype(np.float32),
+            rng.normal(size=(banks, ops, d)).astype(np.float32),
+            rng.normal(size=(banks, ops, d)).astype(np.float32),
+            rng.random((banks, ops)) < 0.5]
+  plain = [np.asarray(x) for x in banked_rho(*inputs)[:2]]
+  mesh = Mesh(np.array(jax.devices()[:2]), ("banks",))
+  placed = [jax.device_put(x, NamedSharding(
+      mesh, PartitionSpec("banks", *([None] * (x.ndim - 1))))) for x in inputs]
+  rho_new, rho_old, _, _ = banked_rho(*placed)
+  assert rho_new.sharding.spec[0] == "banks" and banks == len(rho_new)
+  np.testing.assert_allclose(np.asarray(rho_new), plain[0], atol=1e-6)
+  np.testing.assert_allclose(np.asarray(rho_old), plain[1], atol=1e-6)
