@@ -356,33 +356,36 @@ def _print_model_result(scenario: str, name: str, config, tokens: int,
       "compile_s": round(compile_s, 1), **extra}), flush=True)
 
 
-def run_forward() -> None:
+def _model_pairs():
+  """(name, reference, ours, config, rng) for each `--models` preset."""
   import tempfile
-
-  from cmimem_jax.models.qwen3 import positions_from_mask
   torch.set_num_threads(os.cpu_count() or 1)
   for name in ARGS.models.split(","):
     with tempfile.TemporaryDirectory() as workdir:
       reference, ours, config = _model_pair(name, workdir)
-      rng = np.random.default_rng(0)
-      tokens = rng.integers(0, config.vocab_size, (ARGS.batch, ARGS.length))
-      mask = np.ones_like(tokens)
-      jtokens, jmask = jnp.asarray(tokens, jnp.int32), jnp.asarray(mask)
-      forward = nnx_jit_forward()
-      start = time.perf_counter()
-      logits = forward(ours, jtokens, jmask)
-      jax.block_until_ready(logits)
-      compile_s = time.perf_counter() - start
-      ours_s = best_time(lambda: forward(ours, jtokens, jmask), ARGS.reps)
-      ttokens = torch.from_numpy(tokens)
-      with torch.no_grad():
-        want = reference(input_ids=ttokens).logits.numpy()
-        torch_s = best_time(lambda: reference(input_ids=ttokens).logits,
-                            ARGS.reps)
-      _print_model_result(
-          "forward", name, config, ARGS.batch * ARGS.length, ours_s, torch_s,
-          compile_s, length=ARGS.length, max_abs_logit_diff=float(
-              np.max(np.abs(np.asarray(logits) - want))))
+      yield name, reference, ours, config, np.random.default_rng(0)
+
+
+def run_forward() -> None:
+  for name, reference, ours, config, rng in _model_pairs():
+    tokens = rng.integers(0, config.vocab_size, (ARGS.batch, ARGS.length))
+    mask = np.ones_like(tokens)
+    jtokens, jmask = jnp.asarray(tokens, jnp.int32), jnp.asarray(mask)
+    forward = nnx_jit_forward()
+    start = time.perf_counter()
+    logits = forward(ours, jtokens, jmask)
+    jax.block_until_ready(logits)
+    compile_s = time.perf_counter() - start
+    ours_s = best_time(lambda: forward(ours, jtokens, jmask), ARGS.reps)
+    ttokens = torch.from_numpy(tokens)
+    with torch.no_grad():
+      want = reference(input_ids=ttokens).logits.numpy()
+      torch_s = best_time(lambda: reference(input_ids=ttokens).logits,
+                          ARGS.reps)
+    _print_model_result(
+        "forward", name, config, ARGS.batch * ARGS.length, ours_s, torch_s,
+        compile_s, length=ARGS.length, max_abs_logit_diff=float(
+            np.max(np.abs(np.asarray(logits) - want))))
 
 
 def nnx_jit_forward():
@@ -398,36 +401,30 @@ def nnx_jit_forward():
 
 
 def run_generate() -> None:
-  import tempfile
-
   from cmimem_jax.sampling import Sampler, SamplingConfig
-  torch.set_num_threads(os.cpu_count() or 1)
-  for name in ARGS.models.split(","):
-    with tempfile.TemporaryDirectory() as workdir:
-      reference, ours, config = _model_pair(name, workdir)
-      rng = np.random.default_rng(0)
-      prompts = rng.integers(1, config.vocab_size, (ARGS.batch, ARGS.length))
-      sampler = Sampler(ours, SamplingConfig(
-          temperature=0.0, max_new_tokens=ARGS.new_tokens, eos_ids=()),
-          buckets=(ARGS.length,))
-      key = jax.random.key(0)
-      start = time.perf_counter()
-      out = sampler(prompts.tolist(), key)
-      compile_s = time.perf_counter() - start
-      ours_s = best_time(lambda: sampler(prompts.tolist(), key).tokens,
-                         ARGS.reps)
-      tprompts = torch.from_numpy(prompts)
-      generate = lambda: reference.generate(  # noqa: E731
-          tprompts, attention_mask=torch.ones_like(tprompts),
-          max_new_tokens=ARGS.new_tokens, min_new_tokens=ARGS.new_tokens,
-          do_sample=False, use_cache=True, pad_token_id=0)
-      with torch.no_grad():
-        want = generate()[:, ARGS.length:].numpy()
-        torch_s = best_time(generate, ARGS.reps)
-      _print_model_result(
-          "generate", name, config, ARGS.batch * ARGS.new_tokens, ours_s,
-          torch_s, compile_s, prompt=ARGS.length, new_tokens=ARGS.new_tokens,
-          greedy_token_agreement=float(np.mean(out.tokens == want)))
+  for name, reference, ours, config, rng in _model_pairs():
+    prompts = rng.integers(1, config.vocab_size, (ARGS.batch, ARGS.length))
+    sampler = Sampler(ours, SamplingConfig(
+        temperature=0.0, max_new_tokens=ARGS.new_tokens, eos_ids=()),
+        buckets=(ARGS.length,))
+    key = jax.random.key(0)
+    start = time.perf_counter()
+    out = sampler(prompts.tolist(), key)
+    compile_s = time.perf_counter() - start
+    ours_s = best_time(lambda: sampler(prompts.tolist(), key).tokens,
+                       ARGS.reps)
+    tprompts = torch.from_numpy(prompts)
+    generate = lambda: reference.generate(  # noqa: E731
+        tprompts, attention_mask=torch.ones_like(tprompts),
+        max_new_tokens=ARGS.new_tokens, min_new_tokens=ARGS.new_tokens,
+        do_sample=False, use_cache=True, pad_token_id=0)
+    with torch.no_grad():
+      want = generate()[:, ARGS.length:].numpy()
+      torch_s = best_time(generate, ARGS.reps)
+    _print_model_result(
+        "generate", name, config, ARGS.batch * ARGS.new_tokens, ours_s,
+        torch_s, compile_s, prompt=ARGS.length, new_tokens=ARGS.new_tokens,
+        greedy_token_agreement=float(np.mean(out.tokens == want)))
 
 
 if __name__ == "__main__":
