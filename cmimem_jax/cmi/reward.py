@@ -336,7 +336,6 @@ class RewardComputer:
 
   def compute(self, rollouts: Sequence[RolloutInput]) -> list[RewardTerms]:
     """Reward terms for each rollout, in order."""
-    config = self.config
     scored = [_scored_operations(r) if r.response.valid else []
               for r in rollouts]
     texts = {r.context for r in rollouts}

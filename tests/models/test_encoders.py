@@ -101,3 +101,27 @@ def test_minilm_package_encoder_is_real_and_normalised():
   m = batch["attention_mask"][..., None].float()
   want = torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
   np.testing.assert_allclose(vectors[:3], want.numpy(), atol=1e-5)
+
+
+def test_qwen3_embedding_encoder_batches_and_prefixes_queries(tmp_path):
+  try:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_directory())
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  config = transformers.Qwen3Config(
+      vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
+      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+      head_dim=16, max_position_embeddings=512)
+  torch.manual_seed(2)
+  transformers.Qwen3Model(config).save_pretrained(tmp_path / "emb")
+  tokenizer.save_pretrained(tmp_path / "emb")  # Any tokenizer will do here.
+  encoder = Qwen3EmbeddingEncoder(str(tmp_path / "emb"), task="Find it",
+                                  batch_size=2, max_length=64)
+  texts = ["a beagle named Rex", "tea", "the stock market fell"]
+  docs = encoder.encode(texts)
+  queries = encoder.encode(texts, kind="query")
+  assert docs.shape == (3, 32)
+  np.testing.assert_allclose(np.linalg.norm(docs, axis=1), 1, atol=1e-5)
+  assert not np.allclose(docs, queries)  # The instruction prefix is used.
+  alone = encoder.encode(["Instruct: Find it\nQuery:tea"])
+  np.testing.assert_allclose(queries[1], alone[0], atol=1e-5)
