@@ -318,9 +318,11 @@ class RewardComputer:
     if not which:
       return {}
     k = self.config.conditioning.size
-    query = np.stack([embeddings[rollouts[i].context] for i in which])
-    memories = np.zeros((len(which), k, self.encoder.dim), np.float32)
-    mask = np.zeros((len(which), k), bool)
+    rows = _bucket(len(which), 8)  # Few compiled shapes across batches.
+    query = np.zeros((rows, self.encoder.dim), np.float32)
+    query[:len(which)] = [embeddings[rollouts[i].context] for i in which]
+    memories = np.zeros((rows, k, self.encoder.dim), np.float32)
+    mask = np.zeros((rows, k), bool)
     for row, i in enumerate(which):
       store = rollouts[i].bank.stores[MemoryType.SEMANTIC]
       _, positions = store.search(query[row][None] / max(
