@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from cmimem_jax.models.bert.model import Bert, BertConfig
-from cmimem_jax.models.qwen3.params import TensorSource
+from cmimem_jax.models.qwen3.params import TensorSource, fill_from_key_map
 
 # ours -> (HF name, "{i}" = layer, transpose)
 KEY_MAP: dict[str, tuple[str, bool]] = {
@@ -48,21 +47,8 @@ def load_bert(directory: str) -> Bert:
   prefix = "bert." if any(k.startswith("bert.") for k in source.weight_map) \
       else ""
   model = nnx.eval_shape(lambda: Bert(config, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(model)
-  flat = []
-  for path, leaf in nnx.to_flat_state(state):
-    name = ".".join(str(p) for p in path)
-    template, transpose = KEY_MAP[name]
-    if "{i}" in template:
-      array = np.stack([
-          (lambda a: a.T if transpose else a)(source.get(
-              prefix + template.format(i=i)))
-          for i in range(config.num_hidden_layers)])
-    else:
-      array = source.get(prefix + template)
-      array = array.T if transpose else array
-    if array.shape != leaf.get_value().shape:
-      raise ValueError(f"{name}: checkpoint {array.shape} != model "
-                       f"{leaf.get_value().shape}")
-    flat.append((path, leaf.replace(jnp.asarray(array, jnp.float32))))
-  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+  def get(name: str) -> np.ndarray | None:
+    return source.get(prefix + name) if prefix + name in source else None
+
+  return fill_from_key_map(model, KEY_MAP, get, config.num_hidden_layers)

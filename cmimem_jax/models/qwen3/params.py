@@ -91,7 +91,7 @@ def abstract_model(config: Qwen3Config, lm_head: bool = True) -> Qwen3:
                                       lm_head=lm_head))
 
 
-def _param_paths(model: Qwen3) -> dict[str, Any]:
+def _param_paths(model: nnx.Module) -> dict[str, Any]:
   """`{"layers.q_proj": shape/array, ...}` for every parameter."""
   state = nnx.state(model, nnx.Param)
   flat = {}
@@ -100,28 +100,31 @@ def _param_paths(model: Qwen3) -> dict[str, Any]:
   return flat
 
 
-def load_tensors(model: Qwen3, get: Callable[[str], np.ndarray | None],
-                 sharding_fn: ShardingFn | None = None) -> Qwen3:
-  """Fills an (abstract) model from HF-named tensors.
+def fill_from_key_map(model: nnx.Module, key_map: dict[str, tuple[str, bool]],
+                      get: Callable[[str], np.ndarray | None],
+                      num_layers: int, dtype=np.float32,
+                      sharding_fn: ShardingFn | None = None) -> nnx.Module:
+  """Fills an (abstract) NNX model from checkpoint tensors via a key map.
 
   Args:
-    model: From `abstract_model` (or any Qwen3 of the same config).
-    get: HF tensor name -> array (None when absent).
+    model: Module whose `nnx.Param`s are all named in `key_map`.
+    key_map: our param path -> (checkpoint name, transpose); "{i}" in a
+      name marks a per-layer tensor stacked on a leading `[num_layers]` axis.
+    get: checkpoint name -> array (None when absent).
+    num_layers: Layer count for "{i}" names.
+    dtype: Storage dtype of the parameters.
     sharding_fn: `(our path, shape) -> Sharding` for placement; None puts
       every parameter on the default device.
 
   Returns:
-    A new concrete `Qwen3`.
+    A new concrete module.
   """
-  config = model.config
   graphdef, state = nnx.split(model)
   values = {}
   for path, leaf in _param_paths(model).items():
-    template, transpose = KEY_MAP[path]
-    dtype = config.storage_dtype
+    template, transpose = key_map[path]
     if "{i}" in template:
-      parts = [get(template.format(i=i)) for i in range(
-          config.num_hidden_layers)]
+      parts = [get(template.format(i=i)) for i in range(num_layers)]
       missing = [i for i, p in enumerate(parts) if p is None]
       if missing:
         raise KeyError(f"missing {template} for layers {missing[:5]}")
@@ -143,6 +146,14 @@ def load_tensors(model: Qwen3, get: Callable[[str], np.ndarray | None],
     key = ".".join(str(p) for p in path)
     flat.append((path, leaf.replace(values[key]) if key in values else leaf))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_tensors(model: Qwen3, get: Callable[[str], np.ndarray | None],
+                 sharding_fn: ShardingFn | None = None) -> Qwen3:
+  """Fills an abstract `Qwen3` from HF-named tensors (see
+  `fill_from_key_map`)."""
+  return fill_from_key_map(model, KEY_MAP, get, model.config.num_hidden_layers,
+                           model.config.storage_dtype, sharding_fn)
 
 
 def load_hf(directory: str, config: Qwen3Config | None = None, *,
