@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from cmimem_jax.models.qwen3 import Qwen3, load_hf, positions_from_mask, preset
+from cmimem_jax.models.qwen3 import (KVCache, Qwen3, load_hf,
+                                     positions_from_mask, preset)
 
 from conftest import hf_causal_lm, left_padded_batch  # noqa: I100
 
@@ -60,6 +61,32 @@ def test_remat_changes_nothing_but_memory(remat):
   g2 = nnx.grad(loss)(other)
   for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+
+
+def test_attention_implementations_agree_with_padding_and_cache():
+  models = {impl: Qwen3(preset("tiny", vocab_size=64, attention_impl=impl),
+                        rngs=nnx.Rngs(0)) for impl in ("batched", "per_head")}
+  tokens, mask = left_padded_batch(64, [9, 3, 6], 10)
+  positions = positions_from_mask(mask)
+  full = {impl: np.asarray(m(tokens, positions, mask)[0])
+          for impl, m in models.items()}
+  np.testing.assert_allclose(full["per_head"], full["batched"], atol=1e-5)
+  # Cached path: prefill 8 tokens, then 2 single-token steps.
+  stepped = {}
+  for impl, m in models.items():
+    cache = KVCache.zeros(m.config, 3, 12)
+    logits, cache = m(tokens[:, :8], positions[:, :8], mask[:, :8], cache, 0)
+    outs = [logits]
+    for i in (8, 9):
+      logits, cache = m(tokens[:, i:i + 1], positions[:, i:i + 1],
+                        mask[:, i:i + 1], cache, i)
+      outs.append(logits)
+    stepped[impl] = np.concatenate([np.asarray(o) for o in outs], axis=1)
+  np.testing.assert_allclose(stepped["per_head"], stepped["batched"],
+                             atol=1e-5)
+  real = mask.astype(bool)
+  np.testing.assert_allclose(stepped["batched"][real], full["batched"][real],
+                             atol=1e-5)
 
 
 def test_bfloat16_compute_keeps_float32_logits():

@@ -49,6 +49,10 @@ class Qwen3Config:
   dtype: str = "float32"        # Compute dtype (bfloat16 on accelerators).
   param_dtype: str = "float32"  # Storage dtype of parameters.
   remat: str = "none"           # "none" | "full" | "dots" (save matmuls).
+  # "batched": one batched einsum over (batch, kv head) — best on GPU/TPU.
+  # "per_head": a loop of 2-D matmuls per (row, kv head) — 3.5x faster on
+  # XLA:CPU, whose batched dots are slow. "auto" picks by backend.
+  attention_impl: str = "auto"
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
@@ -56,6 +60,9 @@ class Qwen3Config:
                        "num_key_value_heads")
     if self.remat not in ("none", "full", "dots"):
       raise ValueError(f"remat must be none/full/dots, got {self.remat!r}")
+    if self.attention_impl not in ("auto", "batched", "per_head"):
+      raise ValueError("attention_impl must be auto/batched/per_head, got "
+                       f"{self.attention_impl!r}")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"{name} must be one of {sorted(_DTYPES)}")
@@ -209,25 +216,44 @@ class KVCache:
                jnp.zeros((batch, length), bool))
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
-              ) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+              impl: str = "batched") -> jax.Array:
   """Grouped-query attention.
 
   Args:
     q: `[B, T, H, D]`; k, v: `[B, S, KV, D]`; mask: `[B, T, S]` bool.
+    impl: "batched" (one einsum), "per_head" (`lax.map` of 2-D matmuls over
+      the B * KV (row, kv head) pairs) or "auto" ("per_head" on CPU).
 
   Returns:
     `[B, T, H, D]` in q's dtype; softmax in float32.
   """
+  if impl == "auto":
+    impl = "per_head" if jax.default_backend() == "cpu" else "batched"
   b, t, heads, dim = q.shape
   kv = k.shape[2]
-  q = q.reshape(b, t, kv, heads // kv, dim)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k,
-                      preferred_element_type=jnp.float32) * dim ** -0.5
-  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
+  group = heads // kv
+  # [B, KV, G*T, D]: the G query heads sharing a kv head stack on the rows.
+  q = q.reshape(b, t, kv, group, dim).transpose(0, 2, 3, 1, 4).reshape(
+      b, kv, group * t, dim)
+  k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+  rows_mask = jnp.tile(mask, (1, group, 1))  # [B, G*T, S]
+
+  def attend(q, k, v, mask):
+    scores = jnp.einsum("...md,...sd->...ms", q, k,
+                        preferred_element_type=jnp.float32) * dim ** -0.5
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("...ms,...sd->...md", probs.astype(v.dtype), v,
+                      preferred_element_type=jnp.float32)
+
+  if impl == "per_head":
+    flat = lambda x: x.reshape(b * kv, *x.shape[2:])  # noqa: E731
+    out = jax.lax.map(lambda a: attend(*a), (
+        flat(q), flat(k), flat(v), jnp.repeat(rows_mask, kv, axis=0)))
+  else:
+    out = attend(q, k, v, rows_mask[:, None])
+  out = out.reshape(b, kv, group, t, dim).transpose(0, 3, 1, 2, 4)
   return out.reshape(b, t, heads, dim).astype(q.dtype)
 
 
@@ -293,10 +319,10 @@ def _layer(config: Qwen3Config, p: dict[str, jax.Array], x: jax.Array,
                                                   axis=1)
     cache_v = jax.lax.dynamic_update_slice_in_dim(cache_kv[1], v, write_index,
                                                   axis=1)
-    attn = attention(q, cache_k, cache_v, mask)
+    attn = attention(q, cache_k, cache_v, mask, c.attention_impl)
     written = (cache_k, cache_v)
   else:
-    attn = attention(q, k, v, mask)
+    attn = attention(q, k, v, mask, c.attention_impl)
     written = None
   x = x + attn.reshape(b, t, -1) @ w("o_proj")
   h = rms_norm(x, p["post_attention_norm"], c.rms_norm_eps)
