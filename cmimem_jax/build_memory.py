@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 from absl import app, flags, logging
@@ -28,15 +29,33 @@ from cmimem_jax.cmi import RewardComputer, RewardConfig, RolloutInput
 from cmimem_jax.config import validate_config
 from cmimem_jax.data import Dialogue, load_dataset
 from cmimem_jax.encoders import Encoder, make_encoder
-from cmimem_jax.memory import (CoreConfig, MemoryBank, apply_response,
-                               lookup_chunks, parse, render)
+from cmimem_jax.memory import MemoryBank, lookup_chunks, parse, render
 from cmimem_jax.memory.annotations import locomo_annotation_operations
 from cmimem_jax.memory.bank import embed_texts
+from cmimem_jax.memory.builder import BuildStep, Responder
+from cmimem_jax.memory.builder import build_bank as run_policy
+from cmimem_jax.memory.dsl import ParsedResponse
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where banks are written.")
 
-POLICIES = {"annotations": locomo_annotation_operations}
+
+def annotation_responder(dialogue: Dialogue) -> Responder:
+  """The LoCoMo annotation policy as a responder (DSL render -> parse)."""
+  def respond(bank: MemoryBank, session) -> ParsedResponse:
+    del bank
+    ops = locomo_annotation_operations(dialogue, session)
+    response = parse(render(ops))
+    # The DSL carries no turn ids; re-attach the policy's provenance.
+    return dataclasses.replace(response, operations=tuple(
+        dataclasses.replace(parsed, turn_ids=op.turn_ids)
+        for parsed, op in zip(response.operations, ops)))
+  return respond
+
+
+# Responder factories by `config.policy`.
+POLICIES: dict[str, Callable[[Dialogue], Responder]] = {
+    "annotations": annotation_responder}
 
 
 def build_bank(dialogue: Dialogue, encoder: Encoder, config,
@@ -48,37 +67,18 @@ def build_bank(dialogue: Dialogue, encoder: Encoder, config,
     The final bank, counters, and one `RolloutInput` per session (the
     response with the bank `M_{t-1}` it was applied to) for scoring.
   """
-  policy = POLICIES[config.policy]
-  core_config = CoreConfig(config.memory.core_cap_chars,
-                           config.memory.compress_trigger,
-                           config.memory.compress_target_chars)
-  bank = MemoryBank(dialogue.dialogue_id, encoder.dim)
-  stats = collections.Counter()
-  rollouts = []
-  for session in dialogue.sessions:
-    ops = policy(dialogue, session)
-    response = parse(render(ops))
-    if not response.valid:
-      stats["invalid_responses"] += 1
-      logging.warning("%s: invalid response: %s", session.session_id,
-                      [str(e) for e in response.errors])
-    # The DSL carries no turn ids; re-attach the policy's provenance.
-    response = dataclasses.replace(response, operations=tuple(
-        dataclasses.replace(parsed, turn_ids=op.turn_ids)
-        for parsed, op in zip(response.operations, ops)))
-    rollouts.append(RolloutInput(bank, session.format(), response))
-    bank, report = apply_response(
-        bank, response, encoder, session_index=session.index,
-        turn_ids=tuple(t.turn_id for t in session.turns),
-        core_config=core_config,
-        update_match_threshold=config.memory.update_match_threshold)
-    stats["operations"] += len(response.operations)
-    stats["flags"] += len(report.flags)
-    stats["core_compressions"] += report.compressed
-    if verbose and session.index < 2:
-      print(f"--- session {session.index + 1} ({session.date_text}) DSL:")
-      print(response.text)
-  return bank, dict(stats), rollouts
+  def show(step: BuildStep) -> None:
+    if verbose and step.session.index < 2:
+      print(f"--- session {step.session.index + 1} "
+            f"({step.session.date_text}) DSL:")
+      print(step.response.text)
+
+  bank, stats, steps = run_policy(dialogue, encoder,
+                                  POLICIES[config.policy](dialogue),
+                                  config.memory, on_step=show)
+  rollouts = [RolloutInput(s.bank_before, s.session.format(), s.response)
+              for s in steps]
+  return bank, stats, rollouts
 
 
 def reward_summary(rollouts: list[RolloutInput], encoder: Encoder,

@@ -1,6 +1,8 @@
 """Benchmarks: our JAX code against named peers, measured in the same run.
 
   python tools/bench.py cmi [--scenario=kernel|workload|all] [--devices=2]
+  python tools/bench.py forward|generate [--models=qwen3_0p6b,smollm2_135m]
+  python tools/bench.py train_step [--model=smollm2_135m --layers=8]
 
 Prints one JSON line per case. Every speedup is peer time / our time, each
 the best of `--reps` timed runs after a warm-up (compile excluded; compile
@@ -53,6 +55,17 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     model.add_argument("--new_tokens", type=int, default=128)
     model.add_argument("--reps", type=int, default=2)
     model.add_argument("--devices", type=int, default=1)
+  train = sub.add_parser("train_step",
+                         help="one GRPO train step vs one forward pass")
+  train.add_argument("--model", default="smollm2_135m")
+  train.add_argument("--layers", type=int, default=8)
+  train.add_argument("--batch", type=int, default=4)
+  train.add_argument("--length", type=int, default=256,
+                     help="prompt + completion tokens per row")
+  train.add_argument("--kl_beta", type=float, default=0.0,
+                     help="> 0 adds the reference forward (ideal ratio ~4)")
+  train.add_argument("--reps", type=int, default=3)
+  train.add_argument("--devices", type=int, default=1)
   return parser.parse_args(argv)
 
 
@@ -427,6 +440,50 @@ def run_generate() -> None:
         greedy_token_agreement=float(np.mean(out.tokens == want)))
 
 
+def run_train_step() -> None:
+  """GRPO train step (log-probs, loss, backward, AdamW) over a forward pass
+  of the same batch, both jitted, same model: the ideal is about 3 (the
+  backward costs about two forwards) plus 1 with a KL reference."""
+  from flax import nnx
+
+  from cmimem_jax.models.qwen3 import Qwen3, preset
+  from cmimem_jax.parallel import make_mesh
+  from cmimem_jax.rl import (GRPOLossConfig, GRPOTrainer, OptimizerConfig,
+                             TrainStepConfig)
+  config = preset(ARGS.model, num_hidden_layers=ARGS.layers)
+  model = Qwen3(config, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  b, t = ARGS.batch, ARGS.length
+  tokens = rng.integers(1, config.vocab_size, (b, t)).astype(np.int32)
+  mask = np.ones((b, t), np.int32)
+  loss_mask = np.zeros((b, t), np.int32)
+  loss_mask[:, t // 2:] = 1  # Second half: the completion.
+  batch = {"tokens": tokens, "mask": mask, "loss_mask": loss_mask,
+           "old_logprobs": np.full((b, t), -10.0, np.float32) * loss_mask,
+           "advantages": rng.standard_normal(b).astype(np.float32),
+           "token_weights": loss_mask.astype(np.float32)}
+  forward = nnx_jit_forward()
+  jtokens, jmask = jnp.asarray(tokens), jnp.asarray(mask)
+  jax.block_until_ready(forward(model, jtokens, jmask))
+  forward_s = best_time(lambda: forward(model, jtokens, jmask), ARGS.reps)
+  trainer = GRPOTrainer(model, TrainStepConfig(
+      loss=GRPOLossConfig(kl_beta=ARGS.kl_beta),
+      optimizer=OptimizerConfig(learning_rate=1e-6)),
+      make_mesh("data:-1"))
+  start = time.perf_counter()
+  trainer.step(batch)
+  compile_s = time.perf_counter() - start
+  step_s = best_time(lambda: trainer.step(batch), ARGS.reps)
+  print(json.dumps({
+      "scenario": "train_step", "model": ARGS.model, "layers": ARGS.layers,
+      "batch": b, "length": t, "kl_beta": ARGS.kl_beta,
+      "devices": len(jax.devices()),
+      "train_step_over_forward": round(step_s / forward_s, 2),
+      "train_step_s": round(step_s, 3), "forward_s": round(forward_s, 3),
+      "train_tokens_per_s": round(b * t / step_s, 1),
+      "compile_s": round(compile_s, 1)}), flush=True)
+
+
 if __name__ == "__main__":
-  {"cmi": run_cmi, "forward": run_forward,
-   "generate": run_generate}[ARGS.command]()
+  {"cmi": run_cmi, "forward": run_forward, "generate": run_generate,
+   "train_step": run_train_step}[ARGS.command]()

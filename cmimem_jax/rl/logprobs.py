@@ -1,0 +1,67 @@
+"""Per-token log-probs of a sequence under a Flax causal LM, chunked.
+
+`[B, T, V]` logits for a 20k-token prompt and a 150k vocabulary would be
+terabytes; instead the final hidden states are computed once and the LM
+head + log-softmax run over sequence chunks of `chunk` positions under
+`jax.checkpoint`, so at most `[B, chunk, V]` logits exist at a time, in the
+forward and in the backward pass.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from cmimem_jax.models.qwen3.model import Qwen3, positions_from_mask
+from cmimem_jax.parallel.partition import constrain
+
+
+def token_logprobs(model: Qwen3, tokens: jax.Array, mask: jax.Array, *,
+                   temperature: float = 1.0, chunk: int = 256,
+                   mesh: Mesh | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+  """Log-prob and entropy of each token given the tokens before it.
+
+  Args:
+    model: the policy.
+    tokens: `[B, T]` prompt + completion ids (prompt left-padded).
+    mask: `[B, T]` 1 for real tokens; RoPE positions come from it.
+    temperature: logits are divided by it, as in the sampler (0 -> 1:
+      greedy samplers record log-probs at temperature 1).
+    chunk: sequence positions per LM-head chunk.
+    mesh: when given, activations are constrained to the mesh's rules.
+
+  Returns:
+    `(logprobs [B, T], entropy [B, T])` float32; column 0 (no context) is 0.
+  """
+  if temperature < 0:
+    raise ValueError("temperature must be >= 0")
+  scale = 1.0 / (temperature or 1.0)
+  tokens = constrain(tokens, mesh, "tokens")
+  hidden, _ = model.hidden_states(tokens, positions_from_mask(mask), mask)
+  hidden = constrain(hidden, mesh, "hidden")[:, :-1]  # Predicts t = 1..T-1.
+  targets = tokens[:, 1:]
+  b, t = targets.shape
+  chunk = max(1, min(chunk, t))
+  pad = -t % chunk
+  hidden = jnp.pad(hidden, [(0, 0), (0, pad), (0, 0)])
+  targets = jnp.pad(targets, [(0, 0), (0, pad)])
+  n = (t + pad) // chunk
+  hidden = hidden.reshape(b, n, chunk, -1).swapaxes(0, 1)
+  targets = targets.reshape(b, n, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one_chunk(args):
+    h, target = args
+    logits = constrain(model.logits(h) * scale, mesh, "logits")
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return picked, entropy
+
+  picked, entropy = jax.lax.map(one_chunk, (hidden, targets))
+  unchunk = lambda x: x.swapaxes(0, 1).reshape(b, -1)[:, :t]  # noqa: E731
+  zero = jnp.zeros((b, 1), jnp.float32)
+  return (jnp.concatenate([zero, unchunk(picked)], axis=1),
+          jnp.concatenate([zero, unchunk(entropy)], axis=1))

@@ -1,0 +1,209 @@
+"""The GRPO learner: a sharded, jitted train step for any Flax causal LM.
+
+State is functional: `params` (a pure dict of arrays, split from the NNX
+model) and the optax state, both placed on the mesh by the partition rules
+and donated to the step. One step = k micro-batches scanned with gradient
+accumulation (the token-mean denominator is the global batch's, so the sum
+is the full-batch gradient) -> global-norm clipping -> AdamW.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from cmimem_jax.models.qwen3.model import Qwen3
+from cmimem_jax.parallel.mesh import BATCH_AXES, batch_divisor
+from cmimem_jax.parallel.partition import (QWEN3_RULES, Rules,
+                                           optimizer_shardings,
+                                           param_shardings, place_batch)
+from cmimem_jax.rl.logprobs import token_logprobs
+from cmimem_jax.rl.losses import GRPOLossConfig, grpo_loss
+
+# Per-row arrays of a training batch: tokens/mask/loss_mask/old_logprobs/
+# token_weights are `[B, T]`, advantages `[B]`.
+BATCH_KEYS = ("tokens", "mask", "loss_mask", "old_logprobs", "advantages",
+              "token_weights")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  learning_rate: float = 1e-6
+  warmup_steps: int = 0
+  decay_steps: int = 0        # 0: constant after warm-up; else cosine to 0.
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  grad_clip_norm: float = 1.0  # 0 disables clipping.
+
+  def schedule(self) -> optax.Schedule:
+    if self.decay_steps:
+      return optax.warmup_cosine_decay_schedule(
+          0.0, self.learning_rate, max(self.warmup_steps, 1),
+          self.warmup_steps + self.decay_steps)
+    if self.warmup_steps:
+      return optax.linear_schedule(0.0, self.learning_rate, self.warmup_steps)
+    return optax.constant_schedule(self.learning_rate)
+
+
+def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+  adamw = optax.adamw(config.schedule(), b1=config.b1, b2=config.b2,
+                      weight_decay=config.weight_decay)
+  if config.grad_clip_norm > 0:
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adamw)
+  return adamw
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStepConfig:
+  loss: GRPOLossConfig = GRPOLossConfig()
+  optimizer: OptimizerConfig = OptimizerConfig()
+  micro_batches: int = 1
+  temperature: float = 1.0   # The sampler's; log-probs are scaled alike.
+  logprob_chunk: int = 256
+
+
+def _micro(x: jax.Array, k: int, mesh: Mesh) -> jax.Array:
+  """`[B, ...]` -> `[k, B/k, ...]`, micro-batch i = rows i, i+k, …: every
+  device keeps its own rows in every micro-batch (no resharding)."""
+  x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+  spec = P(None, BATCH_AXES, *([None] * (x.ndim - 2)))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def accumulated_grads(graphdef: nnx.GraphDef, config: TrainStepConfig,
+                      mesh: Mesh, params: Any, batch: dict[str, jax.Array],
+                      ref_params: Any | None
+                      ) -> tuple[Any, dict[str, jax.Array]]:
+  """Gradient of the global-batch GRPO loss, summed over
+  `config.micro_batches` scanned micro-batches, and the loss statistics."""
+  k = config.micro_batches
+  num_tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+  micro = {name: _micro(x, k, mesh) for name, x in batch.items()}
+
+  def logprobs_of(p, mb):
+    return token_logprobs(nnx.merge(graphdef, p), mb["tokens"], mb["mask"],
+                          temperature=config.temperature,
+                          chunk=config.logprob_chunk, mesh=mesh)
+
+  def loss_fn(p, mb):
+    logprobs, entropy = logprobs_of(p, mb)
+    ref = None
+    if ref_params is not None:
+      ref = jax.lax.stop_gradient(logprobs_of(ref_params, mb)[0])
+    return grpo_loss(logprobs, mb["old_logprobs"], mb["advantages"],
+                     mb["loss_mask"], mb["token_weights"], num_tokens,
+                     config.loss, ref_logprobs=ref, entropy=entropy)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def accumulate(carry, mb):
+    grads, stats = carry
+    (_, step_stats), step_grads = grad_fn(params, mb)
+    return (jax.tree.map(jnp.add, grads, step_grads),
+            jax.tree.map(jnp.add, stats, step_stats)), None
+
+  zero_grads = jax.tree.map(jnp.zeros_like, params)
+  first = jax.tree.map(lambda x: x[0], micro)
+  zero_stats = jax.tree.map(jnp.zeros_like,
+                            jax.eval_shape(loss_fn, params, first)[1])
+  (grads, stats), _ = jax.lax.scan(accumulate, (zero_grads, zero_stats), micro)
+  return grads, dict(stats, num_tokens=num_tokens)
+
+
+def _train_step(graphdef: nnx.GraphDef, config: TrainStepConfig, mesh: Mesh,
+                optimizer: optax.GradientTransformation, params: Any,
+                opt_state: Any, batch: dict[str, jax.Array],
+                ref_params: Any | None):
+  grads, stats = accumulated_grads(graphdef, config, mesh, params, batch,
+                                   ref_params)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  stats = dict(stats, grad_norm=optax.global_norm(grads),
+               update_norm=optax.global_norm(updates))
+  return params, opt_state, stats
+
+
+class GRPOTrainer:
+  """Holds the sharded policy/optimizer state and the compiled step.
+
+  Args:
+    model: the policy (its current weights are the starting point).
+    config: loss, optimizer, micro-batching, temperature.
+    mesh: where everything lives (`parallel.make_mesh`).
+    rules: partition rules for the model's parameters.
+    reference: the frozen KL reference (default: a copy of `model`'s
+      initial weights); unused and never run when `kl_beta == 0`.
+  """
+
+  def __init__(self, model: Qwen3, config: TrainStepConfig, mesh: Mesh,
+               rules: Rules = QWEN3_RULES, reference: Qwen3 | None = None):
+    self.config, self.mesh = config, mesh
+    self.graphdef, state = nnx.split(model, nnx.Param)
+    abstract = jax.eval_shape(lambda: state.to_pure_dict())
+    self.param_shardings = param_shardings(abstract, mesh, rules)
+    self.optimizer = make_optimizer(config.optimizer)
+    self.opt_shardings = optimizer_shardings(
+        self.optimizer, abstract, self.param_shardings, mesh)
+    self.params = jax.device_put(state.to_pure_dict(), self.param_shardings)
+    self.opt_state = jax.jit(self.optimizer.init,
+                             out_shardings=self.opt_shardings)(self.params)
+    self.ref_params = None
+    if config.loss.kl_beta > 0:
+      source = self.params if reference is None else nnx.state(
+          reference, nnx.Param).to_pure_dict()
+      # A real copy: the policy's buffers are donated every step.
+      self.ref_params = jax.tree.map(jnp.copy, jax.device_put(
+          source, self.param_shardings))
+    replicated = NamedSharding(mesh, P())
+    self._step = jax.jit(
+        functools.partial(_train_step, self.graphdef, config, mesh,
+                          self.optimizer),
+        in_shardings=(self.param_shardings, self.opt_shardings, None,
+                      None if self.ref_params is None
+                      else self.param_shardings),
+        out_shardings=(self.param_shardings, self.opt_shardings, replicated),
+        donate_argnums=(0, 1))
+
+  @property
+  def model(self) -> Qwen3:
+    """The current policy as an NNX module (shares the sharded arrays)."""
+    return nnx.merge(self.graphdef, self.params)
+
+  def check_batch(self, batch: dict[str, np.ndarray]) -> None:
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    if missing:
+      raise ValueError(f"batch lacks {missing}")
+    rows = batch["tokens"].shape[0]
+    step = self.config.micro_batches * batch_divisor(self.mesh)
+    if rows % step:
+      raise ValueError(
+          f"batch of {rows} rows must divide into {self.config.micro_batches}"
+          f" micro-batches x {batch_divisor(self.mesh)} data shards")
+
+  def step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
+    """One optimizer step on a host batch; returns float metrics."""
+    self.check_batch(batch)
+    start = time.perf_counter()
+    placed = place_batch({k: batch[k] for k in BATCH_KEYS}, self.mesh)
+    self.params, self.opt_state, stats = self._step(
+        self.params, self.opt_state, placed, self.ref_params)
+    metrics = {k: float(v) for k, v in jax.device_get(stats).items()}
+    seconds = time.perf_counter() - start
+    advantages = np.asarray(batch["advantages"], np.float64)
+    metrics.update(
+        step_time_s=seconds,
+        tokens_per_s=float(np.sum(batch["mask"])) / seconds,
+        advantage_mean=float(advantages.mean()),
+        advantage_std=float(advantages.std()),
+        advantage_abs_max=float(np.abs(advantages).max()))
+    return metrics

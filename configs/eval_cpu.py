@@ -1,0 +1,52 @@
+"""Evaluation on this CPU: utterance RAG (or a built memory) + the offline
+`context_recall` judge, on the LoCoMo file; no network needed.
+
+  python -m cmimem_jax.evaluate --config=configs/eval_cpu.py --workdir=DIR
+  ... --config.dataset.name=longmemeval \
+      --config.dataset.path=../shared/data/longmemeval/longmemeval_oracle_2q_sample.json
+  ... --config.method=rag --config.rag_top_k=5 --config.limit=100
+  ... --config.judge.kind=llm --config.answer.kind=endpoint \
+      --config.answer.endpoint.base_url=http://127.0.0.1:8000/v1 \
+      --config.answer.endpoint.model=NAME --config.judge.endpoint.model=NAME
+"""
+
+import ml_collections
+
+from cmimem_jax.config import memory_defaults
+
+
+def endpoint_defaults() -> ml_collections.ConfigDict:
+  """An OpenAI-compatible endpoint (`evaluation.client.EndpointConfig`)."""
+  return ml_collections.ConfigDict({
+      "base_url": "http://127.0.0.1:8000/v1", "model": "",
+      "api_key_env": "OPENAI_API_KEY", "timeout_s": 60.0, "max_retries": 3,
+      "backoff_s": 1.0, "max_backoff_s": 30.0, "concurrency": 8,
+      "temperature": 0.0, "max_tokens": 512})
+
+
+def model_section(kind: str) -> ml_collections.ConfigDict:
+  """A chat model: "endpoint", our Flax policy from a GGUF ("local"; empty
+  path = the embedded SmolLM2-135M-Instruct), or "none"."""
+  return ml_collections.ConfigDict({
+      "kind": kind, "endpoint": endpoint_defaults(), "gguf": "",
+      "max_new_tokens": 256})
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.dataset = ml_collections.ConfigDict({
+      "name": "locomo", "path": "../shared/data/locomo/locomo10.json",
+      "dialogues": 0})  # 0: all.
+  config.encoder = ml_collections.ConfigDict(
+      {"kind": "minilm", "dim": 384, "path": ""})
+  config.memory = memory_defaults()
+  config.method = "rag"      # rag | prompting | policy
+  config.rag_top_k = 10      # Table 5: top-5 and top-10.
+  config.limit = 0           # First N questions (0: all).
+  config.judge = ml_collections.ConfigDict({
+      "kind": "context_recall",  # context_recall | llm
+      "prompt": "listing11",     # listing11 | longmemeval
+      "endpoint": endpoint_defaults()})
+  config.answer = model_section("none")        # Who answers (llm judge).
+  config.builder = model_section("endpoint")   # Who builds memories.
+  return config

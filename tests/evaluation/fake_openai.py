@@ -1,0 +1,115 @@
+"""A minimal OpenAI-compatible HTTP server on loopback for tests, with
+deterministic injected failures.
+
+`behaviour(content, attempt)` picks what to do with the n-th request
+(1-based `attempt`) carrying the same last-message content: "ok",
+"500", "timeout" (sleep past the client's timeout, then answer),
+"malformed" (200 with a body that is not JSON), "empty" (200 without
+choices).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+
+from cmimem_jax.evaluation.metrics import normalize_answer
+
+
+def reply_for(content: str) -> str:
+  """Judge prompts (Listing 11) get a verdict; anything else an answer."""
+  gold = re.search(r"Gold answer: (.*)", content)
+  generated = re.search(r"Generated answer: (.*)", content)
+  if gold and generated:
+    ok = normalize_answer(gold.group(1)) in normalize_answer(generated.group(1))
+    label = "CORRECT" if ok else "WRONG"
+    return f'The answer matches the gold. {{"label": "{label}"}}'
+  return "It was in May 2023."
+
+
+def embedding_for(text: str, dim: int = 16) -> list[float]:
+  rng = np.random.default_rng(zlib.crc32(text.encode()))
+  vector = rng.standard_normal(dim)
+  return (vector / np.linalg.norm(vector)).tolist()
+
+
+class FakeOpenAI:
+
+  def __init__(self, behaviour: Callable[[str, int], str] = lambda c, a: "ok",
+               delay_s: float = 1.0):
+    self.behaviour, self.delay_s = behaviour, delay_s
+    self.attempts: collections.Counter[str] = collections.Counter()
+    self.lock = threading.Lock()
+    self.requests = 0
+    server = self
+
+    class Handler(BaseHTTPRequestHandler):
+      def log_message(self, *args):
+        del args
+
+      def _send(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+          self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+          pass  # The client gave up (timeout): expected.
+
+      def do_POST(self):
+        length = int(self.headers.get("Content-Length", 0))
+        request = json.loads(self.rfile.read(length))
+        if self.path.endswith("/embeddings"):
+          inputs = request["input"]
+          inputs = [inputs] if isinstance(inputs, str) else inputs
+          data = [{"object": "embedding", "index": i,
+                   "embedding": embedding_for(t)} for i, t in enumerate(inputs)]
+          self._send(200, json.dumps({"object": "list", "data": data,
+                                      "model": request["model"]}).encode())
+          return
+        content = request["messages"][-1]["content"]
+        with server.lock:
+          server.requests += 1
+          server.attempts[content] += 1
+          attempt = server.attempts[content]
+        action = server.behaviour(content, attempt)
+        if action == "500":
+          self._send(500, b'{"error": {"message": "injected"}}')
+          return
+        if action == "timeout":
+          time.sleep(server.delay_s)
+        if action == "malformed":
+          self._send(200, b"{not json")
+          return
+        choices = [] if action == "empty" else [{
+            "index": 0, "finish_reason": "stop",
+            "message": {"role": "assistant", "content": reply_for(content)}}]
+        self._send(200, json.dumps({
+            "id": "x", "object": "chat.completion", "created": 0,
+            "model": request["model"], "choices": choices}).encode())
+
+    self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    self.httpd.daemon_threads = True
+    self.thread = threading.Thread(target=self.httpd.serve_forever,
+                                   daemon=True)
+
+  @property
+  def base_url(self) -> str:
+    return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+  def __enter__(self) -> FakeOpenAI:
+    self.thread.start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.httpd.shutdown()
+    self.httpd.server_close()

@@ -1,0 +1,97 @@
+"""The OpenAI-compatible client and the judges against a loopback server."""
+
+import numpy as np
+import pytest
+
+from cmimem_jax.data.types import Question
+from cmimem_jax.evaluation.client import EndpointConfig, OpenAIClient
+from cmimem_jax.evaluation.judges import (LLMJudge, context_recall,
+                                          longmemeval_prompt,
+                                          parse_listing11_verdict,
+                                          parse_yes_no_verdict)
+
+from fake_openai import FakeOpenAI, embedding_for  # noqa: I100
+
+
+def client_for(server, **overrides):
+  values = dict(base_url=server.base_url, model="fake", timeout_s=0.5,
+                max_retries=2, backoff_s=0.01, concurrency=4)
+  values.update(overrides)
+  return OpenAIClient(EndpointConfig(**values))
+
+
+def test_retries_recover_transient_failures():
+  transient = {1: "500", 2: "timeout"}
+  with FakeOpenAI(lambda c, a: transient.get(a, "ok")) as server:
+    client = client_for(server)
+    result = client.chat([{"role": "user", "content": "hello"}])
+  assert result.ok and result.attempts == 3
+  assert result.text == "It was in May 2023."
+  assert client.failures.as_dict() == {
+      "failed_attempts": {"http_5xx": 1, "timeout": 1}, "failed_calls": {}}
+
+
+@pytest.mark.parametrize("action,kind", [("500", "http_5xx"),
+                                         ("malformed", "malformed"),
+                                         ("empty", "malformed"),
+                                         ("timeout", "timeout")])
+def test_permanent_failures_are_reported_not_answered(action, kind):
+  with FakeOpenAI(lambda c, a: action, delay_s=0.8) as server:
+    client = client_for(server, max_retries=1)
+    result = client.chat([{"role": "user", "content": "q"}])
+  assert not result.ok and result.text is None
+  assert result.error.startswith(kind) and result.attempts == 2
+  assert client.failures.as_dict()["failed_calls"] == {kind: 1}
+
+
+def test_chat_many_keeps_order_under_concurrency_and_embeds():
+  with FakeOpenAI() as server:
+    client = client_for(server, concurrency=8)
+    results = client.chat_many([[{"role": "user", "content": f"m{i}"}]
+                                for i in range(20)])
+    vectors = client.embed(["a", "b"])
+  assert all(r.ok for r in results) and server.requests == 20
+  np.testing.assert_allclose(vectors[1], embedding_for("b"), rtol=1e-6)
+
+
+def test_listing11_and_yes_no_verdicts():
+  assert parse_listing11_verdict('fine. {"label": "CORRECT"}') == 1.0
+  assert parse_listing11_verdict('{"label":"wrong"}') == 0.0
+  assert parse_listing11_verdict("WRONG") == 0.0
+  assert parse_listing11_verdict("CORRECT or WRONG?") is None
+  assert parse_listing11_verdict("no idea") is None
+  assert parse_yes_no_verdict("Yes.") == 1.0
+  assert parse_yes_no_verdict("No") == 0.0
+  assert parse_yes_no_verdict("unclear") is None
+
+
+def question(category="single-hop", answer="Paris", abstention=False):
+  return Question("q1", "Where did she go?", answer, category,
+                  all_answers=(answer,), is_abstention=abstention)
+
+
+def test_longmemeval_prompts_by_type():
+  assert "off-by-one" in longmemeval_prompt(question("temporal-reasoning"),
+                                            "x")
+  assert "Rubric" in longmemeval_prompt(question("single-session-preference"),
+                                        "x")
+  assert "unanswerable" in longmemeval_prompt(question(abstention=True), "x")
+  assert "Correct Answer: Paris" in longmemeval_prompt(question(), "x")
+
+
+def test_llm_judge_scores_and_counts_failures():
+  def behaviour(content, attempt):
+    del attempt
+    return "500" if "Lyon" in content else "ok"
+  with FakeOpenAI(behaviour) as server:
+    judge = LLMJudge(client_for(server, max_retries=1))
+    verdicts = judge.judge_many([question()] * 3,
+                                ["She went to Paris.", "Rome", "Lyon"])
+  assert [v[0] for v in verdicts] == [1.0, 0.0, None]
+  assert verdicts[2][1].startswith("http_5xx")
+  assert judge.client.failures.as_dict()["failed_calls"] == {"http_5xx": 1}
+
+
+def test_context_recall():
+  assert context_recall(question(), "[Session 2] Caroline: I loved paris!")
+  assert not context_recall(question(), "She stayed home.")

@@ -1,0 +1,89 @@
+"""GRPO loss and advantages against hand-computed values."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cmimem_jax.rl import GRPOLossConfig, group_advantages, grpo_loss, k3_kl
+
+
+def test_advantages_hand_computed():
+  rewards = np.array([1.0, 0.0, 0.5, 0.5, 0.2, 0.2, 0.2, 0.2])
+  valid = np.array([1, 1, 1, 0, 1, 1, 1, 1])
+  adv = group_advantages(rewards, valid, group_size=4)
+  gated = np.array([1.0, 0.0, 0.5, 0.0])  # Invalid rollout counts as 0.
+  mean, std = 0.375, math.sqrt(np.sum((gated - 0.375) ** 2) / 3)
+  np.testing.assert_allclose(adv[:4], (gated - mean) / (std + 1e-6),
+                             rtol=1e-6)
+  # All-equal group: zero advantage, no NaN.
+  np.testing.assert_array_equal(adv[4:], 0.0)
+  np.testing.assert_array_equal(group_advantages(np.ones(3), np.ones(3), 1), 0)
+
+
+def test_advantages_reject_bad_shapes_and_nan():
+  with pytest.raises(ValueError, match="multiple of group_size"):
+    group_advantages(np.ones(5), np.ones(5), 2)
+  with pytest.raises(ValueError, match="rows \\[1\\]"):
+    group_advantages(np.array([0.0, np.nan]), np.ones(2), 2)
+
+
+def test_k3_is_zero_at_equality_and_positive_otherwise():
+  lp = jnp.array([-1.0, -2.0])
+  np.testing.assert_allclose(k3_kl(lp, lp), 0.0)
+  ref = jnp.array([-1.5, -1.0])
+  delta = np.array([-0.5, 1.0])
+  np.testing.assert_allclose(k3_kl(lp, ref), np.exp(delta) - delta - 1,
+                             rtol=1e-6)
+
+
+def _loss(logp, old, adv, mask, weights, config, ref=None):
+  num = jnp.sum(jnp.asarray(mask, jnp.float32))
+  return grpo_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv),
+                   jnp.asarray(mask), jnp.asarray(weights), num, config,
+                   ref_logprobs=None if ref is None else jnp.asarray(ref))
+
+
+def test_clipped_surrogate_both_sides_hand_computed():
+  config = GRPOLossConfig(epsilon_low=0.1, epsilon_high=0.3, kl_beta=0.0)
+  # Row 0: A = +1; ratios 2.0 (clipped at 1.3), 0.5 (unclipped: min picks it).
+  # Row 1: A = -1; ratios 0.5 (clipped at 0.9 -> -0.9), 2.0 (-2.0 kept).
+  old = np.log(np.array([[0.2, 0.4, 0.3], [0.4, 0.2, 0.3]]))
+  logp = np.log(np.array([[0.4, 0.2, 0.9], [0.2, 0.4, 0.9]]))
+  mask = np.array([[1, 1, 0], [1, 1, 0]])  # Last column: padding.
+  loss, stats = _loss(logp, old, [1.0, -1.0], mask, np.ones((2, 3)), config)
+  per_token = [1.3, 0.5, -0.9, -2.0]
+  np.testing.assert_allclose(loss, -np.mean(per_token), rtol=1e-6)
+  np.testing.assert_allclose(stats["clip_high_frac"], 0.25, rtol=1e-6)
+  np.testing.assert_allclose(stats["clip_low_frac"], 0.25, rtol=1e-6)
+  np.testing.assert_allclose(stats["ratio_mean"], (2 + .5 + .5 + 2) / 4,
+                             rtol=1e-6)
+  assert "kl" not in stats
+
+
+def test_kl_weights_and_masks_hand_computed():
+  config = GRPOLossConfig(kl_beta=0.5)
+  logp = np.log(np.array([[0.5, 0.5, 0.25]]))
+  old = logp.copy()                       # ratio 1: surrogate = A.
+  ref = np.log(np.array([[0.25, 0.5, 0.5]]))
+  weights = np.array([[4.0, 1.0, 2.0]])
+  mask = np.array([[1, 1, 1]])
+  loss, stats = _loss(logp, old, [2.0], mask, weights, config, ref)
+  kl = np.exp(np.log([0.5, 1.0, 2.0])) - np.log([0.5, 1.0, 2.0]) - 1
+  want = -np.mean(weights[0] * (2.0 - 0.5 * kl))
+  np.testing.assert_allclose(loss, want, rtol=1e-6)
+  np.testing.assert_allclose(stats["kl"], kl.mean(), rtol=1e-6)
+  with pytest.raises(ValueError, match="ref_logprobs"):
+    _loss(logp, old, [2.0], mask, weights, config)
+
+
+def test_empty_completions_give_zero_loss_not_nan():
+  config = GRPOLossConfig()
+  zeros = np.zeros((2, 3))
+  # Padding positions may hold anything: here log-probs whose ratio and
+  # k3 terms overflow to inf.
+  loss, stats = _loss(zeros - 1e4, zeros, [1.0, -1.0], zeros.astype(int),
+                      zeros + 1, config, zeros)
+  assert float(loss) == 0.0
+  assert all(np.isfinite(float(v)) for v in stats.values())
