@@ -3,12 +3,13 @@
 from cmimem_jax.data.locomo import LOCOMO_CATEGORIES, load_locomo
 from cmimem_jax.data.longmemeval import LONGMEMEVAL_TYPES, load_longmemeval
 from cmimem_jax.data.memoryagentbench import chunk_text, load_memoryagentbench
-from cmimem_jax.data.registry import LOADERS, load_dataset
+from cmimem_jax.data.registry import LOADERS, bundled_path, load_dataset
 from cmimem_jax.data.schema import parse_date
 from cmimem_jax.data.types import DatasetError, Dialogue, Question, Session, Turn
 
 __all__ = [
     "DatasetError", "Dialogue", "LOADERS", "LOCOMO_CATEGORIES", "LONGMEMEVAL_TYPES",
-    "Question", "Session", "Turn", "chunk_text", "load_locomo",
+    "Question", "Session", "Turn", "bundled_path", "chunk_text", "load_locomo",
     "load_dataset", "load_longmemeval", "load_memoryagentbench", "parse_date",
 ]
+

@@ -19,7 +19,7 @@ from cmimem_jax.parallel.partition import constrain
 
 def token_logprobs(model: Qwen3, tokens: jax.Array, mask: jax.Array, *,
                    temperature: float = 1.0, chunk: int = 256,
-                   mesh: Mesh | None = None
+                   start: int = 1, mesh: Mesh | None = None
                    ) -> tuple[jax.Array, jax.Array]:
   """Log-prob and entropy of each token given the tokens before it.
 
@@ -30,18 +30,24 @@ def token_logprobs(model: Qwen3, tokens: jax.Array, mask: jax.Array, *,
     temperature: logits are divided by it, as in the sampler (0 -> 1:
       greedy samplers record log-probs at temperature 1).
     chunk: sequence positions per LM-head chunk.
+    start: first position whose log-prob is wanted (the completion's start:
+      the LM head never runs over the prompt).
     mesh: when given, activations are constrained to the mesh's rules.
 
   Returns:
-    `(logprobs [B, T], entropy [B, T])` float32; column 0 (no context) is 0.
+    `(logprobs [B, T], entropy [B, T])` float32; columns before `start`
+    (and column 0, which has no context) are 0.
   """
   if temperature < 0:
     raise ValueError("temperature must be >= 0")
+  if not 1 <= start < tokens.shape[1]:
+    raise ValueError(f"start must be in [1, {tokens.shape[1]}), got {start}")
   scale = 1.0 / (temperature or 1.0)
   tokens = constrain(tokens, mesh, "tokens")
   hidden, _ = model.hidden_states(tokens, positions_from_mask(mask), mask)
-  hidden = constrain(hidden, mesh, "hidden")[:, :-1]  # Predicts t = 1..T-1.
-  targets = tokens[:, 1:]
+  # Position t - 1 predicts token t, for t = start .. T-1.
+  hidden = constrain(hidden, mesh, "hidden")[:, start - 1:-1]
+  targets = tokens[:, start:]
   b, t = targets.shape
   chunk = max(1, min(chunk, t))
   pad = -t % chunk
@@ -62,6 +68,6 @@ def token_logprobs(model: Qwen3, tokens: jax.Array, mask: jax.Array, *,
 
   picked, entropy = jax.lax.map(one_chunk, (hidden, targets))
   unchunk = lambda x: x.swapaxes(0, 1).reshape(b, -1)[:, :t]  # noqa: E731
-  zero = jnp.zeros((b, 1), jnp.float32)
+  zero = jnp.zeros((b, start), jnp.float32)
   return (jnp.concatenate([zero, unchunk(picked)], axis=1),
           jnp.concatenate([zero, unchunk(entropy)], axis=1))

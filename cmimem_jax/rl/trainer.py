@@ -82,10 +82,11 @@ def _micro(x: jax.Array, k: int, mesh: Mesh) -> jax.Array:
 
 def accumulated_grads(graphdef: nnx.GraphDef, config: TrainStepConfig,
                       mesh: Mesh, params: Any, batch: dict[str, jax.Array],
-                      ref_params: Any | None
+                      ref_params: Any | None, start: int = 1
                       ) -> tuple[Any, dict[str, jax.Array]]:
   """Gradient of the global-batch GRPO loss, summed over
-  `config.micro_batches` scanned micro-batches, and the loss statistics."""
+  `config.micro_batches` scanned micro-batches, and the loss statistics.
+  `start`: first column any row's `loss_mask` covers (static)."""
   k = config.micro_batches
   num_tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
   micro = {name: _micro(x, k, mesh) for name, x in batch.items()}
@@ -93,7 +94,7 @@ def accumulated_grads(graphdef: nnx.GraphDef, config: TrainStepConfig,
   def logprobs_of(p, mb):
     return token_logprobs(nnx.merge(graphdef, p), mb["tokens"], mb["mask"],
                           temperature=config.temperature,
-                          chunk=config.logprob_chunk, mesh=mesh)
+                          chunk=config.logprob_chunk, start=start, mesh=mesh)
 
   def loss_fn(p, mb):
     logprobs, entropy = logprobs_of(p, mb)
@@ -121,15 +122,15 @@ def accumulated_grads(graphdef: nnx.GraphDef, config: TrainStepConfig,
 
 
 def _train_step(graphdef: nnx.GraphDef, config: TrainStepConfig, mesh: Mesh,
-                optimizer: optax.GradientTransformation, params: Any,
-                opt_state: Any, batch: dict[str, jax.Array],
+                optimizer: optax.GradientTransformation, start: int,
+                params: Any, opt_state: Any, batch: dict[str, jax.Array],
                 ref_params: Any | None):
   grads, stats = accumulated_grads(graphdef, config, mesh, params, batch,
-                                   ref_params)
+                                   ref_params, start)
   updates, opt_state = optimizer.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
-  stats = dict(stats, grad_norm=optax.global_norm(grads),
-               update_norm=optax.global_norm(updates))
+  stats = dict(stats, grad_norm=optax.tree.norm(grads),
+               update_norm=optax.tree.norm(updates))
   return params, opt_state, stats
 
 
@@ -149,18 +150,19 @@ class GRPOTrainer:
                rules: Rules = QWEN3_RULES, reference: Qwen3 | None = None):
     self.config, self.mesh = config, mesh
     self.graphdef, state = nnx.split(model, nnx.Param)
-    abstract = jax.eval_shape(lambda: state.to_pure_dict())
+    abstract = jax.eval_shape(lambda: nnx.to_pure_dict(state))
     self.param_shardings = param_shardings(abstract, mesh, rules)
     self.optimizer = make_optimizer(config.optimizer)
     self.opt_shardings = optimizer_shardings(
         self.optimizer, abstract, self.param_shardings, mesh)
-    self.params = jax.device_put(state.to_pure_dict(), self.param_shardings)
+    self.params = jax.device_put(nnx.to_pure_dict(state),
+                                 self.param_shardings)
     self.opt_state = jax.jit(self.optimizer.init,
                              out_shardings=self.opt_shardings)(self.params)
     self.ref_params = None
     if config.loss.kl_beta > 0:
-      source = self.params if reference is None else nnx.state(
-          reference, nnx.Param).to_pure_dict()
+      source = self.params if reference is None else nnx.to_pure_dict(
+          nnx.state(reference, nnx.Param))
       # A real copy: the policy's buffers are donated every step.
       self.ref_params = jax.tree.map(jnp.copy, jax.device_put(
           source, self.param_shardings))
@@ -172,7 +174,7 @@ class GRPOTrainer:
                       None if self.ref_params is None
                       else self.param_shardings),
         out_shardings=(self.param_shardings, self.opt_shardings, replicated),
-        donate_argnums=(0, 1))
+        static_argnums=(0,), donate_argnums=(1, 2))
 
   @property
   def model(self) -> Qwen3:
@@ -195,8 +197,12 @@ class GRPOTrainer:
     self.check_batch(batch)
     start = time.perf_counter()
     placed = place_batch({k: batch[k] for k in BATCH_KEYS}, self.mesh)
+    # The LM head runs from the first completion column on (one compiled
+    # step per prompt bucket).
+    covered = np.flatnonzero(np.asarray(batch["loss_mask"]).any(axis=0))
+    start = int(covered[0]) if covered.size else 1
     self.params, self.opt_state, stats = self._step(
-        self.params, self.opt_state, placed, self.ref_params)
+        max(start, 1), self.params, self.opt_state, placed, self.ref_params)
     metrics = {k: float(v) for k, v in jax.device_get(stats).items()}
     seconds = time.perf_counter() - start
     advantages = np.asarray(batch["advantages"], np.float64)

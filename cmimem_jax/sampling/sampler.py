@@ -110,8 +110,11 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
   positions = positions_from_mask(mask)
   # The cache buffer is reused across calls: forget what it held.
   cache = KVCache(cache.keys, cache.values, jnp.zeros_like(cache.valid))
-  logits, cache = model(tokens, positions, mask, cache=cache, cache_index=0)
-  last_logits = logits[:, -1]
+  hidden, cache = model.hidden_states(tokens, positions, mask, cache=cache,
+                                      cache_index=0)
+  # Only the last prompt position's logits are needed (the LM head over the
+  # whole prompt would dominate prefill for large vocabularies).
+  last_logits = model.logits(hidden[:, -1])
   next_position = positions[:, -1] + 1
   eos = jnp.asarray(config.eos_ids or (-1,), jnp.int32)
 

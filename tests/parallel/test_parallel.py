@@ -28,7 +28,7 @@ def test_mesh_shapes_and_validation():
 def test_every_qwen3_parameter_has_a_rule_and_is_sharded():
   mesh = make_mesh("fsdp:4,tensor:2")
   model = Qwen3(preset("tiny"), rngs=nnx.Rngs(0))
-  params = nnx.state(model, nnx.Param).to_pure_dict()
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   shardings = param_shardings(params, mesh)
   assert shardings["layers"]["q_proj"].spec == P(None, "fsdp", "tensor")
   assert shardings["layers"]["o_proj"].spec == P(None, "tensor", "fsdp")

@@ -81,7 +81,7 @@ def test_chunked_logprobs_equal_full_log_softmax():
 def test_gradient_accumulation_equals_full_batch():
   model = tiny_model()
   graphdef, state = nnx.split(model, nnx.Param)
-  params = state.to_pure_dict()
+  params = nnx.to_pure_dict(state)
   mesh = one_device_mesh()
   batch = {k: jnp.asarray(v) for k, v in synthetic_batch(1).items()}
   grads = {}

@@ -51,7 +51,8 @@ class Qwen3Config:
   remat: str = "none"           # "none" | "full" | "dots" (save matmuls).
   # "batched": one batched einsum over (batch, kv head) — best on GPU/TPU.
   # "per_head": a loop of 2-D matmuls per (row, kv head) — 3.5x faster on
-  # XLA:CPU, whose batched dots are slow. "auto" picks by backend.
+  # XLA:CPU, whose batched dots are slow. "auto": per_head on CPU for 16+
+  # queries (prefill, training), batched otherwise (decoding, GPU/TPU).
   attention_impl: str = "auto"
 
   def __post_init__(self):
@@ -223,13 +224,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   Args:
     q: `[B, T, H, D]`; k, v: `[B, S, KV, D]`; mask: `[B, T, S]` bool.
     impl: "batched" (one einsum), "per_head" (`lax.map` of 2-D matmuls over
-      the B * KV (row, kv head) pairs) or "auto" ("per_head" on CPU).
+      the B * KV (row, kv head) pairs) or "auto" ("per_head" on CPU for
+      T >= 16).
 
   Returns:
     `[B, T, H, D]` in q's dtype; softmax in float32.
   """
   if impl == "auto":
-    impl = "per_head" if jax.default_backend() == "cpu" else "batched"
+    # Decoding (a few queries) is loop-overhead bound: batch it.
+    impl = ("per_head" if jax.default_backend() == "cpu"
+            and q.shape[1] >= 16 else "batched")
   b, t, heads, dim = q.shape
   kv = k.shape[2]
   group = heads // kv

@@ -1,0 +1,60 @@
+"""A full CMI-Mem training run in about a minute on a CPU (used by tests).
+
+A random tiny Qwen3-architecture policy (vocabulary of the embedded SmolLM2
+tokenizer), the hashing test encoder, the bundled training sample.
+
+  python -m cmimem_jax.train --config=configs/tiny.py --workdir=/tmp/tiny
+"""
+
+import ml_collections
+
+from cmimem_jax.cmi.reward import reward_defaults
+from cmimem_jax.config import memory_defaults
+from cmimem_jax.data import bundled_path
+
+
+def endpoint(model: str = "") -> ml_collections.ConfigDict:
+  """An OpenAI-compatible endpoint (`evaluation.client.EndpointConfig`)."""
+  return ml_collections.ConfigDict({
+      "base_url": "http://127.0.0.1:8000/v1", "model": model,
+      "api_key_env": "OPENAI_API_KEY", "timeout_s": 60.0, "max_retries": 3,
+      "backoff_s": 1.0, "max_backoff_s": 30.0, "concurrency": 8,
+      "temperature": 0.0, "max_tokens": 256})
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.mesh = "data:-1"  # AXIS:SIZE over data/fsdp/tensor; -1 = the rest.
+  config.tensorboard = True
+  config.dataset = ml_collections.ConfigDict({
+      "name": "longmemeval", "path": bundled_path(), "dialogues": 0})
+  config.encoder = ml_collections.ConfigDict(
+      {"kind": "hashing", "dim": 64, "path": ""})
+  config.memory = memory_defaults()
+  config.reward = reward_defaults()  # α, μ, σ, λ, penalties (Table 7).
+  config.policy = ml_collections.ConfigDict({
+      "source": "random",  # random | gguf | hf
+      "preset": "tiny", "path": "", "seed": 0,
+      "tokenizer": "",     # GGUF file or HF dir; "" = embedded SmolLM2.
+      "dtype": "float32", "param_dtype": "float32", "remat": "none",
+      "max_position_embeddings": 2048})
+  config.rollout = ml_collections.ConfigDict({
+      "engine": "jax", "num_rollouts": 4, "temperature": 1.0, "top_p": 1.0,
+      "max_new_tokens": 24, "max_prompt_tokens": 1024,
+      "buckets": (512, 640, 768, 1024),
+      "retrieval_top_k": 20})  # 0: no retrieval index (ablation).
+  config.qa = ml_collections.ConfigDict({
+      "judge": "context_recall",  # context_recall | llm
+      "top_k": 10, "prompt": "listing11",
+      "answer": endpoint(), "judge_endpoint": endpoint()})
+  config.rl = ml_collections.ConfigDict({
+      "sessions_per_batch": 3, "epochs": 1, "max_steps": 2,
+      "micro_batches": 1, "learning_rate": 1e-3, "warmup_steps": 0,
+      "weight_decay": 0.0, "grad_clip_norm": 1.0, "kl_beta": 0.02,
+      "epsilon_low": 0.2, "epsilon_high": 0.2, "logprob_chunk": 256,
+      "snapshot_refresh_epochs": 1,
+      "curriculum_weights": (1.0, 1.0, 1.0), "curriculum_tiers": 3})
+  config.checkpoint = ml_collections.ConfigDict(
+      {"every_steps": 1, "keep": 2, "async_save": True})
+  return config

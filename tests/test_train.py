@@ -1,0 +1,168 @@
+"""`python -m cmimem_jax.train` end to end with configs/tiny.py."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from cmimem_jax.cmi.reward import RewardComputer, RewardConfig, RolloutInput
+from cmimem_jax.config import ConfigError
+from cmimem_jax.evaluation.answering import MemoryContext
+from cmimem_jax.evaluation.judges import context_recall
+from cmimem_jax.memory.dsl import parse
+from cmimem_jax.rl import read_metrics
+from cmimem_jax.rl.episode import apply_to_copy
+from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
+from cmimem_jax.train import Trainer
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def tiny_config(**overrides):
+  spec = importlib.util.spec_from_file_location(
+      "tiny", os.path.join(ROOT, "configs", "tiny.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  config.mesh = "fsdp:2,tensor:4"  # The 8 fake CPU devices of conftest.
+  config.tensorboard = False
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  return config
+
+
+def test_tiny_run_writes_checkpoints_and_resumes(tmp_path):
+  first = Trainer(tiny_config(), str(tmp_path))
+  assert first.resumed_from is None
+  history = first.run()
+  assert len(history) == 2
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
+  metrics = read_metrics(str(tmp_path))
+  assert [m["step"] for m in metrics] == [1, 2]
+  for m in metrics:
+    assert np.isfinite(m["loss"]) and "reward/cmi" in m and "kl" in m
+    assert len(m["sessions"]) == 3
+
+  resumed = Trainer(tiny_config(**{"rl.max_steps": 3}), str(tmp_path))
+  assert resumed.resumed_from == 2 and resumed.loop["step"] == 2
+  resumed.run()
+  metrics = read_metrics(str(tmp_path))
+  assert [m["step"] for m in metrics] == [1, 2, 3]
+  # Same curriculum position: step 3 trains on the curriculum's batch 2.
+  want = [f"{resumed.dialogues[r.dialogue].dialogue_id}/{r.session}"
+          for r in resumed.curriculum.batch(2)]
+  assert metrics[2]["sessions"] == want
+
+
+RESPONSES = [
+    "CORE:APPEND|Adopted a rescue greyhound named Biscuit; works from home "
+    "on Mondays and Fridays.\nEPISODIC:ADD|2024-03-02: adopted Biscuit, who "
+    "is scared of stairs\nSEMANTIC:ADD|Greyhounds - ex-racers often need "
+    "stair training\nPROCEDURAL:SKIP",
+    "not a DSL response at all",
+    "CORE:APPEND|Training for the Lisbon half marathon.\nEPISODIC:ADD|"
+    "2024-01-08: started a 16-week half marathon plan\nSEMANTIC:SKIP\n"
+    "PROCEDURAL:ADD|How to build mileage: 1. add 10 % per week 2. one long "
+    "run",
+    "CORE:APPEND|Learning European Portuguese.\nEPISODIC:SKIP\n"
+    "SEMANTIC:SKIP\nPROCEDURAL:SKIP",
+]
+
+
+def scripted_rollouts(tokenizer):
+  """A rollout function returning RESPONSES cyclically (for every row)."""
+  def rollout(prompts, key, temperature, top_p, max_new_tokens):
+    del key, temperature, top_p
+    length = bucket_length(max(len(p) for p in prompts), (512, 1024))
+    prompt_tokens, prompt_mask = left_pad(prompts, length, 0)
+    texts = [RESPONSES[i % len(RESPONSES)] for i in range(len(prompts))]
+    encoded = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    width = max(len(e) for e in encoded)
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for row, ids in enumerate(encoded):
+      tokens[row, :len(ids)] = ids
+    return SampleOutput(tokens, np.zeros(tokens.shape, np.float32),
+                        np.array([len(e) for e in encoded]), prompt_tokens,
+                        prompt_mask)
+  return rollout
+
+
+def test_logged_reward_terms_equal_direct_computation(tmp_path):
+  config = tiny_config(**{"rl.max_steps": 1, "reward.alpha": 0.5})
+  loop = Trainer(config, str(tmp_path))
+  loop.rollout_fn = scripted_rollouts(loop.policy.tokenizer)
+  metrics = loop.step()
+
+  # Directly: parse each response, apply it to the session's snapshot,
+  # score the session's QA pairs with context recall on M_t, then the CMI
+  # reward module on the same inputs.
+  episodes = [loop.episode(r) for r in loop.curriculum.batch(0)]
+  group = config.rollout.num_rollouts
+  rollouts = []
+  for row in range(len(episodes) * group):
+    episode = episodes[row // group]
+    text = loop.policy.decode(loop.policy.tokenizer.encode(
+        RESPONSES[row % len(RESPONSES)], add_special_tokens=False))
+    response = parse(text)
+    qa, counts = 0.0, None
+    if response.valid:
+      after = apply_to_copy(episode.bank, episode.session, response,
+                            loop.encoder, config.memory)
+      provider = MemoryContext(after, episode.dialogue, loop.encoder,
+                               config.qa.top_k)
+      contexts = [provider(q) for q in episode.questions]
+      qa = np.mean([context_recall(q, c.context)
+                    for q, c in zip(episode.questions, contexts)])
+      types = {e.entry_id: e.memory_type for e in after.entries()}
+      counts = {}
+      for c in contexts:
+        for i in c.retrieved:
+          counts[types[i]] = counts.get(types[i], 0) + 1
+    rollouts.append(RolloutInput(episode.bank, episode.session.format(),
+                                 response, float(qa), counts))
+  terms = RewardComputer(loop.encoder, RewardConfig.from_config(
+      config.reward))(rollouts)
+  for name in ("cmi", "qa", "total", "reward", "length_factor",
+               "intra_duplicate_factor", "semantic_skip_bonus"):
+    want = np.mean([getattr(t, name) for t in terms])
+    assert metrics[f"reward/{name}"] == pytest.approx(want, abs=1e-9), name
+  assert metrics["validity_rate"] == pytest.approx(0.75)
+  assert metrics["reward/qa"] > 0 and metrics["reward/cmi"] != 0
+  # Composite reward with alpha = 0.5 before the multiplicative factors.
+  assert np.mean([t.base for t in terms]) == pytest.approx(
+      np.mean([0.5 * t.cmi + 0.5 * t.qa for t in terms]))
+  # Attribution reached the loss: some completion tokens weigh 4.
+  assert metrics["advantage_abs_max"] > 0
+
+
+def test_bad_training_config_is_reported_before_work(tmp_path):
+  config = tiny_config(**{"rollout.num_rollouts": 3, "rl.curriculum_tiers": 4})
+  with pytest.raises(ConfigError) as error:
+    Trainer(config, str(tmp_path))
+  message = str(error.value)
+  assert "must be >= rl.curriculum_tiers=4" in message
+  assert "must divide into rl.micro_batches=1 x 2 data shards" in message
+
+
+def test_cli_demo_summary(tmp_path, capsys):
+  from cmimem_jax import train
+  from absl import flags
+  argv = ["train", f"--config={ROOT}/configs/tiny.py", "--workdir",
+          str(tmp_path), "--config.rl.max_steps=1", "--config.mesh=data:8"]
+  flags.FLAGS(argv)
+  try:
+    train.main(argv)
+  finally:
+    flags.FLAGS.unparse_flags()
+  out = capsys.readouterr().out
+  assert "CMI-Mem training summary" in out
+  assert "operations before training" in out
+  summary = json.loads(out.strip().splitlines()[-1])
+  assert summary["steps"] == 1
