@@ -176,7 +176,7 @@ class Trainer:
         logprob_chunk=rl.logprob_chunk), self.mesh)
     self.policy = ChatPolicy(self.trainer.model, tokenizer,
                              config.rollout.max_prompt_tokens,
-                             tuple(config.rollout.buckets))
+                             tuple(config.rollout.buckets), self.mesh)
     self.rollout_fn = rollout_fn or self.policy.generate
     self.curriculum = Curriculum(
         _training_sessions(self.dialogues, tuple(rl.curriculum_weights)),

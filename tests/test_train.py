@@ -3,6 +3,8 @@
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -151,18 +153,17 @@ def test_bad_training_config_is_reported_before_work(tmp_path):
   assert "must divide into rl.micro_batches=1 x 2 data shards" in message
 
 
-def test_cli_demo_summary(tmp_path, capsys):
-  from cmimem_jax import train
-  from absl import flags
-  argv = ["train", f"--config={ROOT}/configs/tiny.py", "--workdir",
-          str(tmp_path), "--config.rl.max_steps=1", "--config.mesh=data:8"]
-  flags.FLAGS(argv)
-  try:
-    train.main(argv)
-  finally:
-    flags.FLAGS.unparse_flags()
-  out = capsys.readouterr().out
-  assert "CMI-Mem training summary" in out
-  assert "operations before training" in out
-  summary = json.loads(out.strip().splitlines()[-1])
-  assert summary["steps"] == 1
+def test_cli_demo_summary(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "cmimem_jax.train", "--config=configs/tiny.py",
+       f"--workdir={tmp_path}", "--config.rl.max_steps=1",
+       # conftest gives this process (and so the child) 8 CPU devices.
+       "--config.mesh=data:4,tensor:2",
+       "--config.tensorboard=False"],
+      cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "CMI-Mem training summary" in result.stdout
+  assert "operations before training" in result.stdout
+  summary = json.loads(result.stdout.strip().splitlines()[-1])
+  assert summary["steps"] == 1 and summary["resumed_from"] is None
+  assert (tmp_path / "demo_before.txt").exists()

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 
 from cmimem_jax.models.qwen3 import Qwen3, load_gguf, load_hf, preset
 from cmimem_jax.models.qwen3.params import (load_gguf_tokenizer,
@@ -54,7 +55,7 @@ class ChatPolicy:
   """Chat-template prompts -> sampled completions with the Flax policy."""
 
   def __init__(self, model: Qwen3, tokenizer: Any, max_prompt_tokens: int,
-               buckets: Sequence[int]):
+               buckets: Sequence[int], mesh: Mesh | None = None):
     self.tokenizer = tokenizer
     self.max_prompt_tokens = max_prompt_tokens
     eos = tokenizer.eos_token_id
@@ -62,7 +63,7 @@ class ChatPolicy:
     self.pad_id = int(tokenizer.pad_token_id or 0)
     self.sampler = Sampler(model, SamplingConfig(eos_ids=self.eos_ids,
                                                  pad_id=self.pad_id),
-                           buckets=buckets)
+                           buckets=buckets, mesh=mesh)
 
   def set_model(self, model: Qwen3) -> None:
     """Points the sampler at the latest weights (same graph: no

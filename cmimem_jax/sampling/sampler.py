@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cmimem_jax.models.qwen3.model import KVCache, Qwen3, positions_from_mask
 
@@ -178,15 +179,20 @@ class Sampler:
 
   def __init__(self, model: Qwen3, config: SamplingConfig = SamplingConfig(),
                buckets: Sequence[int] = DEFAULT_BUCKETS,
-               stop_sequences: Sequence[Sequence[int]] = ()):
+               stop_sequences: Sequence[Sequence[int]] = (),
+               mesh: Mesh | None = None):
+    """`mesh`: where the model's (sharded) parameters live; prompts, keys
+    and the KV cache are then placed on it too."""
     self.model = model
+    self._place = (lambda x: x) if mesh is None else functools.partial(
+        jax.device_put, device=NamedSharding(mesh, PartitionSpec()))
     self.config = config
     self.buckets = tuple(buckets)
     width = max((len(s) for s in stop_sequences), default=0)
     table = np.full((len(stop_sequences), width), -1, np.int32)
     for i, seq in enumerate(stop_sequences):
       table[i, width - len(seq):] = seq
-    self.stop_table = jnp.asarray(table)
+    self.stop_table = self._place(jnp.asarray(table))
     self._caches: dict[tuple[int, int], KVCache] = {}
 
   def __call__(self, prompts: Sequence[Sequence[int]], key: jax.Array,
@@ -203,10 +209,11 @@ class Sampler:
     shape = (len(prompts), cache_length)
     # One preallocated cache per shape, donated to the program and handed
     # back, so decoding updates it in place and calls never reallocate it.
-    cache = self._caches.pop(shape, None) or KVCache.zeros(
-        self.model.config, *shape)
+    cache = self._caches.pop(shape, None) or self._place(KVCache.zeros(
+        self.model.config, *shape))
     out_tokens, out_logprobs, lengths, self._caches[shape] = _generate(
-        self.model, jnp.asarray(tokens), jnp.asarray(mask), cache, key,
+        self.model, self._place(jnp.asarray(tokens)),
+        self._place(jnp.asarray(mask)), cache, self._place(key),
         self.stop_table, config, cache_length)
     return SampleOutput(np.asarray(out_tokens), np.asarray(out_logprobs),
                         np.asarray(lengths), tokens, mask)
