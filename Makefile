@@ -23,7 +23,7 @@ $(STAMP): requirements.txt setup.py | $(PY)
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m cmimem_jax.build_memory --config=configs/build_memory.py --workdir=$(WORKDIR)/demo
+	$(PY) -m cmimem_jax.train --config=configs/default.py --workdir=$(WORKDIR)/demo
 
 test: $(STAMP)
 	$(PY) -m pytest

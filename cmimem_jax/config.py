@@ -14,7 +14,7 @@ from collections.abc import Callable
 import ml_collections
 
 DATASETS = ("longmemeval", "locomo", "memoryagentbench")
-ENCODERS = ("hashing", "minilm", "qwen3_embedding")
+ENCODERS = ("hashing", "minilm", "qwen3_embedding", "openai")
 
 
 class ConfigError(ValueError):
@@ -69,8 +69,12 @@ def _check_dataset(c: _Checker) -> None:
 
 def _check_encoder(c: _Checker) -> None:
   c.check("encoder.kind", lambda v: v in ENCODERS, f"one of {ENCODERS}")
-  if c.get("encoder.kind") == "hashing":
+  if c.get("encoder.kind") in ("hashing", "openai"):
     c.check("encoder.dim", _positive_int, "a positive integer")
+  if c.get("encoder.kind") == "openai":
+    c.check("encoder.endpoint.base_url",
+            lambda v: isinstance(v, str) and v.startswith("http"),
+            "an http(s) URL")
   elif c.get("encoder.kind") == "qwen3_embedding":
     c.check("encoder.path", lambda v: isinstance(v, str) and os.path.isdir(v),
             "a HF checkpoint folder")

@@ -20,6 +20,7 @@ a rerun with the same DIR resumes from the newest readable one.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import time
@@ -42,13 +43,16 @@ from cmimem_jax.parallel import (batch_divisor, initialize_distributed,
                                  resolve_mesh_shape)
 from cmimem_jax.rl import (Checkpointer, GRPOLossConfig, GRPOTrainer,
                            MetricsWriter, OptimizerConfig, TrainStepConfig,
-                           group_advantages, rollout_batch)
+                           group_advantages, read_metrics, rollout_batch)
 from cmimem_jax.rl.curriculum import Curriculum, SessionRef, difficulty
 from cmimem_jax.rl.episode import (Episode, QAReward, attribution_weights,
                                    build_snapshots, load_snapshots,
                                    policy_messages, save_snapshots,
                                    score_rollouts, session_questions)
+from cmimem_jax.models.qwen3.params import save_hf
 from cmimem_jax.rl.policy import ChatPolicy, load_policy, load_tokenizer
+from cmimem_jax.rl.vllm_engine import (VLLMEngine, checkpoint_dir,
+                                       import_vllm, recompute_logprobs)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics.")
@@ -145,10 +149,8 @@ class Trainer:
     validate_config(config, required=("dataset", "encoder", "memory",
                                       "reward", "policy", "rollout", "rl",
                                       "qa"))
-    if config.rollout.engine != "jax":
-      raise NotImplementedError(
-          "rollout.engine='vllm' needs the GPU fallback (not in this build); "
-          "use rollout.engine='jax'")
+    if config.rollout.engine == "vllm":
+      import_vllm()  # Fails fast, with the install hint, where it is absent.
     initialize_distributed()
     self.config, self.workdir = config, workdir
     os.makedirs(workdir, exist_ok=True)
@@ -177,7 +179,17 @@ class Trainer:
     self.policy = ChatPolicy(self.trainer.model, tokenizer,
                              config.rollout.max_prompt_tokens,
                              tuple(config.rollout.buckets), self.mesh)
+    self.engine = None
+    if rollout_fn is None and config.rollout.engine == "vllm":
+      directory = checkpoint_dir(workdir)
+      save_hf(self.trainer.model, directory)
+      self.engine = VLLMEngine(directory, self.policy.eos_ids,
+                               self.policy.pad_id,
+                               tuple(config.rollout.buckets),
+                               **dict(config.rollout.get("vllm", {})))
+      rollout_fn = self._vllm_rollouts
     self.rollout_fn = rollout_fn or self.policy.generate
+    self.sampler_gap: float | None = None
     self.curriculum = Curriculum(
         _training_sessions(self.dialogues, tuple(rl.curriculum_weights)),
         rl.sessions_per_batch, rl.curriculum_tiers)
@@ -234,6 +246,14 @@ class Trainer:
         episode.bank, episode.session, self.encoder,
         self.config.rollout.retrieval_top_k)])[0]
 
+  def _vllm_rollouts(self, prompts, key, temperature, top_p, max_new_tokens):
+    """vLLM generates; the old log-probs are recomputed in JAX."""
+    out = self.engine.generate(prompts, key, temperature, top_p,
+                               max_new_tokens)
+    old, self.sampler_gap = recompute_logprobs(
+        self.trainer.model, out, temperature, self.config.rl.logprob_chunk)
+    return dataclasses.replace(out, logprobs=old)
+
   # -- one step --------------------------------------------------------------
 
   def step(self) -> dict[str, Any]:
@@ -275,6 +295,10 @@ class Trainer:
                         for t, c in zip(terms, completions)])
     metrics = self.trainer.step(rollout_batch(out, advantages, weights))
     self.policy.set_model(self.trainer.model)
+    if self.engine is not None:
+      metrics["vllm_weight_push"] = self.engine.push_weights(
+          self.trainer.model)
+      metrics["sampler_trainer_logprob_gap"] = self.sampler_gap
     metrics.update(_mean_terms(terms))
     metrics.update(
         epoch=epoch, snapshot_version=self.loop["snapshot_version"],
@@ -320,8 +344,8 @@ def summary_text(history: list[dict[str, Any]], before: str, after: str,
            "validity_rate", "loss")
   lines = ["", "=== CMI-Mem training summary ===",
            "step  " + "  ".join(f"{t:>20}" for t in terms)]
-  for i, m in enumerate(history):
-    lines.append(f"{m.get('step', i + 1):4d}  " + "  ".join(
+  for m in history:
+    lines.append(f"{m['step']:4d}  " + "  ".join(
         f"{m.get(t, float('nan')):20.4f}" for t in terms))
   lines += [f"\n--- session {session}: operations before training ---",
             before.strip() or "(empty response)",
@@ -343,10 +367,9 @@ def main(argv: list[str]) -> None:
   if not os.path.exists(before_path):  # The initial policy's response.
     with open(before_path, "w") as f:
       f.write(loop.greedy_response(demo_ref))
-  history = loop.run()
-  for i, m in enumerate(history):
-    m["step"] = loop.loop["step"] - len(history) + i + 1
+  loop.run()
   after = loop.greedy_response(demo_ref)
+  history = read_metrics(_WORKDIR.value)  # Every step, resumed runs too.
   with open(before_path) as f:
     before = f.read()
   print(summary_text(history, before, after, demo_session))

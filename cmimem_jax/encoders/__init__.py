@@ -9,10 +9,17 @@ def make_encoder(config) -> Encoder:
   """Builds the encoder named by an `encoder` config section.
 
   kinds: "hashing" (dim), "minilm" (the embedded all-MiniLM-L6-v2, or
-  `path`), "qwen3_embedding" (`path` to a HF Qwen3-Embedding checkpoint).
+  `path`), "qwen3_embedding" (`path` to a HF Qwen3-Embedding checkpoint),
+  "openai" (an OpenAI-compatible `endpoint` section, `dim`, optional
+  `query_prefix`).
   """
   if config.kind == "hashing":
     return HashingEncoder(dim=config.dim)
+  if config.kind == "openai":
+    from cmimem_jax.encoders.remote import OpenAIEncoder
+    from cmimem_jax.evaluation.client import EndpointConfig
+    return OpenAIEncoder(EndpointConfig.from_config(config.endpoint),
+                         config.dim, config.get("query_prefix", ""))
   # Neural encoders pull in transformers/flax: import only when asked.
   from cmimem_jax.encoders import neural
   path = config.get("path") or None

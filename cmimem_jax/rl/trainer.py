@@ -134,6 +134,23 @@ def _train_step(graphdef: nnx.GraphDef, config: TrainStepConfig, mesh: Mesh,
   return params, opt_state, stats
 
 
+def jit_train_step(graphdef: nnx.GraphDef, config: TrainStepConfig,
+                   mesh: Mesh, optimizer: optax.GradientTransformation,
+                   param_shardings: Any, opt_shardings: Any,
+                   with_reference: bool):
+  """The train step under `jax.jit` with explicit shardings and donated
+  params / optimizer state:
+  `(start, params, opt_state, batch, ref_params) -> (params, opt_state,
+  stats)`, `start` static (the first completion column)."""
+  replicated = NamedSharding(mesh, P())
+  return jax.jit(
+      functools.partial(_train_step, graphdef, config, mesh, optimizer),
+      in_shardings=(param_shardings, opt_shardings, None,
+                    param_shardings if with_reference else None),
+      out_shardings=(param_shardings, opt_shardings, replicated),
+      static_argnums=(0,), donate_argnums=(1, 2))
+
+
 class GRPOTrainer:
   """Holds the sharded policy/optimizer state and the compiled step.
 
@@ -166,15 +183,9 @@ class GRPOTrainer:
       # A real copy: the policy's buffers are donated every step.
       self.ref_params = jax.tree.map(jnp.copy, jax.device_put(
           source, self.param_shardings))
-    replicated = NamedSharding(mesh, P())
-    self._step = jax.jit(
-        functools.partial(_train_step, self.graphdef, config, mesh,
-                          self.optimizer),
-        in_shardings=(self.param_shardings, self.opt_shardings, None,
-                      None if self.ref_params is None
-                      else self.param_shardings),
-        out_shardings=(self.param_shardings, self.opt_shardings, replicated),
-        static_argnums=(0,), donate_argnums=(1, 2))
+    self._step = jit_train_step(self.graphdef, config, mesh, self.optimizer,
+                                self.param_shardings, self.opt_shardings,
+                                with_reference=self.ref_params is not None)
 
   @property
   def model(self) -> Qwen3:
@@ -200,9 +211,9 @@ class GRPOTrainer:
     # The LM head runs from the first completion column on (one compiled
     # step per prompt bucket).
     covered = np.flatnonzero(np.asarray(batch["loss_mask"]).any(axis=0))
-    start = int(covered[0]) if covered.size else 1
+    first_column = max(int(covered[0]) if covered.size else 1, 1)
     self.params, self.opt_state, stats = self._step(
-        max(start, 1), self.params, self.opt_state, placed, self.ref_params)
+        first_column, self.params, self.opt_state, placed, self.ref_params)
     metrics = {k: float(v) for k, v in jax.device_get(stats).items()}
     seconds = time.perf_counter() - start
     advantages = np.asarray(batch["advantages"], np.float64)

@@ -44,8 +44,8 @@ def embedding_for(text: str, dim: int = 16) -> list[float]:
 class FakeOpenAI:
 
   def __init__(self, behaviour: Callable[[str, int], str] = lambda c, a: "ok",
-               delay_s: float = 1.0):
-    self.behaviour, self.delay_s = behaviour, delay_s
+               delay_s: float = 1.0, reply: Callable[[str], str] = reply_for):
+    self.behaviour, self.delay_s, self.reply = behaviour, delay_s, reply
     self.attempts: collections.Counter[str] = collections.Counter()
     self.lock = threading.Lock()
     self.requests = 0
@@ -92,7 +92,8 @@ class FakeOpenAI:
           return
         choices = [] if action == "empty" else [{
             "index": 0, "finish_reason": "stop",
-            "message": {"role": "assistant", "content": reply_for(content)}}]
+            "message": {"role": "assistant",
+                        "content": server.reply(content)}}]
         self._send(200, json.dumps({
             "id": "x", "object": "chat.completion", "created": 0,
             "model": request["model"], "choices": choices}).encode())

@@ -1,0 +1,140 @@
+"""Rollouts through vLLM (SPEC §7, the paper's H20 setup): GPU only.
+
+`VLLMEngine.generate` has the sampler's signature and returns a
+`SampleOutput`, so the training loop swaps it in for `ChatPolicy.generate`
+(`rollout.engine = "vllm"`). Generation starts from our token ids with the
+same temperature / top-p / length; after every update the policy's weights
+go to vLLM as HF-named tensors (`push_weights`: in-process `load_weights`,
+or a saved HF checkpoint a separate server reloads). vLLM's log-probs are
+kept only to measure the sampler/trainer gap: the trainer's old log-probs
+are recomputed in JAX (`recompute_logprobs`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from cmimem_jax.models.qwen3.model import Qwen3
+from cmimem_jax.models.qwen3.params import hf_tensors, save_hf
+from cmimem_jax.rl.logprobs import token_logprobs
+from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
+
+INSTALL_HINT = ("rollout.engine='vllm' needs vLLM on a CUDA machine "
+                "(pip install vllm); use rollout.engine='jax' elsewhere")
+
+
+def import_vllm() -> Any:
+  try:
+    import vllm
+  except ImportError as e:
+    raise ImportError(INSTALL_HINT) from e
+  return vllm
+
+
+def vllm_weights(model: Qwen3) -> Iterator[tuple[str, Any]]:
+  """HF-named torch tensors converted from the NNX policy (what vLLM's
+  `load_weights` consumes)."""
+  import torch
+  for name, array in hf_tensors(model):
+    yield name, torch.from_numpy(array)
+
+
+class VLLMEngine:
+  """An in-process `vllm.LLM` over an HF checkpoint of the policy.
+
+  Args:
+    checkpoint: HF directory vLLM starts from (`save_hf` of the policy).
+    eos_ids / pad_id: as the JAX sampler's.
+    **llm_kwargs: passed to `vllm.LLM` (tensor_parallel_size,
+      gpu_memory_utilization, max_model_len, dtype, ...).
+  """
+
+  def __init__(self, checkpoint: str, eos_ids: Sequence[int] = (),
+               pad_id: int = 0, buckets: Sequence[int] = (), **llm_kwargs):
+    vllm = import_vllm()
+    self._vllm = vllm
+    self.checkpoint, self.eos_ids, self.pad_id = checkpoint, tuple(eos_ids), pad_id
+    self.buckets = tuple(buckets)
+    self.llm = vllm.LLM(model=checkpoint, skip_tokenizer_init=True,
+                        **llm_kwargs)
+
+  def push_weights(self, model: Qwen3) -> str:
+    """Sends the current policy to vLLM; returns how ("load_weights" or
+    "reload")."""
+    executor = getattr(self.llm.llm_engine, "model_executor", None)
+    worker = getattr(executor, "driver_worker", None)
+    runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
+    if runner is not None and hasattr(runner.model, "load_weights"):
+      runner.model.load_weights(vllm_weights(model))
+      return "load_weights"
+    # Multi-process executors: write the checkpoint and let vLLM reload it.
+    save_hf(model, self.checkpoint)
+    self.llm.collective_rpc("reload_weights")
+    return "reload"
+
+  def generate(self, prompts: Sequence[list[int]], key: jax.Array,
+               temperature: float, top_p: float, max_new_tokens: int
+               ) -> SampleOutput:
+    seed = int(jax.random.randint(key, (), 0, 2 ** 31 - 1))
+    params = self._vllm.SamplingParams(
+        temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
+        stop_token_ids=list(self.eos_ids), logprobs=0, seed=seed)
+    requests = [{"prompt_token_ids": list(p)} for p in prompts]
+    results = self.llm.generate(requests, params, use_tqdm=False)
+    return sample_output(prompts, [r.outputs[0] for r in results],
+                         max_new_tokens, self.pad_id, self.buckets)
+
+
+def sample_output(prompts: Sequence[list[int]], completions: Sequence[Any],
+                  max_new_tokens: int, pad_id: int,
+                  buckets: Sequence[int] = ()) -> SampleOutput:
+  """Packs vLLM `CompletionOutput`s (token_ids, logprobs) like the JAX
+  sampler's output (left-padded prompt layout, right-padded tokens)."""
+  longest = max(len(p) for p in prompts)
+  length = bucket_length(longest, buckets) if buckets else longest
+  prompt_tokens, prompt_mask = left_pad(prompts, length, pad_id)
+  tokens = np.full((len(prompts), max_new_tokens), pad_id, np.int32)
+  logprobs = np.zeros((len(prompts), max_new_tokens), np.float32)
+  lengths = np.zeros(len(prompts), np.int32)
+  for row, out in enumerate(completions):
+    ids = list(out.token_ids)[:max_new_tokens]
+    tokens[row, :len(ids)] = ids
+    lengths[row] = len(ids)
+    for i, (token, entry) in enumerate(zip(ids, out.logprobs or [])):
+      value = entry[token]
+      logprobs[row, i] = getattr(value, "logprob", value)
+  return SampleOutput(tokens, logprobs, lengths, prompt_tokens, prompt_mask)
+
+
+@functools.partial(nnx.jit, static_argnames=("temperature", "chunk", "start"))
+def _policy_logprobs(model: Qwen3, tokens: jax.Array, mask: jax.Array,
+                     temperature: float, chunk: int, start: int) -> jax.Array:
+  return token_logprobs(model, tokens, mask, temperature=temperature,
+                        chunk=chunk, start=start)[0]
+
+
+def recompute_logprobs(model: Qwen3, out: SampleOutput, temperature: float,
+                       chunk: int = 256) -> tuple[np.ndarray, float]:
+  """Old log-probs of `out`'s completions under the JAX policy, and the
+  mean |sampler − JAX| gap over completion tokens (logged)."""
+  prompt = out.prompt_tokens.shape[1]
+  tokens = np.concatenate([out.prompt_tokens, out.tokens], 1)
+  completion = (np.arange(out.tokens.shape[1])[None]
+                < out.lengths[:, None]).astype(np.int32)
+  mask = np.concatenate([out.prompt_mask, completion], 1)
+  logprobs = _policy_logprobs(model, tokens, mask, temperature, chunk, prompt)
+  ours = np.asarray(logprobs)[:, prompt:] * completion
+  gap = float(np.abs(ours - out.logprobs * completion).sum()
+              / max(completion.sum(), 1))
+  return ours.astype(np.float32), gap
+
+
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.join(workdir, "vllm_policy")

