@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from cmimem_jax.cmi import RewardComputer, RewardConfig, RolloutInput

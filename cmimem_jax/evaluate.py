@@ -133,7 +133,7 @@ def text_metrics(dataset: str, question: Question, prediction: str
 def score_dialogue(dialogue: Dialogue, questions: list[Question],
                    provider, config, answerer: ChatModel | None,
                    judge: LLMJudge | None) -> list[dict]:
-  contexts: list[QAContext] = [provider(q) for q in questions]
+  contexts: list[QAContext] = provider.many(questions)
   predictions: list[str | None] = [None] * len(questions)
   answer_errors: list[str | None] = [None] * len(questions)
   if answerer is not None:

@@ -38,9 +38,8 @@ from cmimem_jax.data import Dialogue, load_dataset
 from cmimem_jax.encoders import make_encoder
 from cmimem_jax.evaluation.client import EndpointConfig, OpenAIClient
 from cmimem_jax.evaluation.judges import LLMJudge
-from cmimem_jax.parallel import (batch_divisor, initialize_distributed,
-                                 make_mesh, parse_mesh_shape,
-                                 resolve_mesh_shape)
+from cmimem_jax.parallel import (initialize_distributed, make_mesh,
+                                 parse_mesh_shape, resolve_mesh_shape)
 from cmimem_jax.rl import (Checkpointer, GRPOLossConfig, GRPOTrainer,
                            MetricsWriter, OptimizerConfig, TrainStepConfig,
                            group_advantages, read_metrics, rollout_batch)

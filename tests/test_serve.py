@@ -1,14 +1,12 @@
 """The OpenAI-compatible server on loopback: concurrency, batching,
 equality with direct calls, errors, API key, and our clients against it."""
 
-import concurrent.futures
 import importlib.util
 import json
 import os
 import urllib.error
 import urllib.request
 
-import jax
 import numpy as np
 import pytest
 

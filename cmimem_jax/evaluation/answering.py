@@ -21,7 +21,7 @@ from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.evaluation.client import CallResult, Messages
 from cmimem_jax.memory.bank import MemoryBank, embed_texts
 from cmimem_jax.memory.prompt_builder import build_answer_prompt
-from cmimem_jax.memory.retrieval import Chunk, lookup_chunks, retrieve
+from cmimem_jax.memory.retrieval import Chunk, lookup_chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,9 @@ class QAContext:
 
 class ContextProvider(Protocol):
   def __call__(self, question: Question) -> QAContext:
+    ...
+
+  def many(self, questions: Sequence[Question]) -> list[QAContext]:
     ...
 
 
@@ -54,7 +57,16 @@ class MemoryContext:
     self.top_k, self.chunk_budget_chars = top_k, chunk_budget_chars
 
   def __call__(self, question: Question) -> QAContext:
-    hits = retrieve(self.bank, self.encoder, question.question, self.top_k)
+    return self.many([question])[0]
+
+  def many(self, questions: Sequence[Question]) -> list[QAContext]:
+    """Contexts for several questions (one encoder call for all)."""
+    queries = embed_texts(self.encoder, [q.question for q in questions],
+                          kind="query")
+    return [self._context(q, self.bank.search(v, self.top_k))
+            for q, v in zip(questions, queries)]
+
+  def _context(self, question: Question, hits) -> QAContext:
     chunks = lookup_chunks(hits, self.dialogue, self.chunk_budget_chars)
     prompt = build_answer_prompt(question.question, self.bank, hits, chunks,
                                  question.question_date)
@@ -78,12 +90,20 @@ class TurnRAG:
       self.index.add(np.ascontiguousarray(vectors, np.float32))
 
   def __call__(self, question: Question) -> QAContext:
+    return self.many([question])[0]
+
+  def many(self, questions: Sequence[Question]) -> list[QAContext]:
+    """Contexts for several questions (one encoder call for all)."""
     k = min(self.top_k, len(self.turns))
-    order: list[int] = []
-    if k:
-      query = embed_texts(self.encoder, [question.question], kind="query")
-      _, ids = self.index.search(np.ascontiguousarray(query, np.float32), k)
-      order = [int(i) for i in ids[0] if i >= 0]
+    if not k:
+      return [self._context(q, []) for q in questions]
+    queries = embed_texts(self.encoder, [q.question for q in questions],
+                          kind="query")
+    _, ids = self.index.search(np.ascontiguousarray(queries, np.float32), k)
+    return [self._context(q, [int(i) for i in row if i >= 0])
+            for q, row in zip(questions, ids)]
+
+  def _context(self, question: Question, order: list[int]) -> QAContext:
     # Group the hits by session, in dialogue order (as LookupChunk does).
     by_session: dict[int, list[int]] = {}
     for i in sorted(order):

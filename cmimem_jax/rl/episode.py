@@ -92,7 +92,7 @@ class QAReward:
       return 0.0, {}
     provider = MemoryContext(bank, episode.dialogue, self.encoder, self.top_k,
                              self.chunk_budget_chars)
-    contexts = [provider(q) for q in episode.questions]
+    contexts = provider.many(episode.questions)
     types = {e.entry_id: e.memory_type for e in bank.entries()}
     counts = collections.Counter(types[i] for c in contexts
                                  for i in c.retrieved if i in types)
