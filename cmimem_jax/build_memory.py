@@ -23,10 +23,9 @@ from collections.abc import Callable
 
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
 from cmimem_jax.cmi import RewardComputer, RewardConfig, RolloutInput
-from cmimem_jax.config import validate_config
+from cmimem_jax.config import define_command_line_flags, validate_config
 from cmimem_jax.data import Dialogue, load_dataset
 from cmimem_jax.encoders import Encoder, make_encoder
 from cmimem_jax.memory import MemoryBank, lookup_chunks, parse, render
@@ -36,8 +35,6 @@ from cmimem_jax.memory.builder import BuildStep, Responder
 from cmimem_jax.memory.builder import build_bank as run_policy
 from cmimem_jax.memory.dsl import ParsedResponse
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where banks are written.")
 
 
 def annotation_responder(dialogue: Dialogue) -> Responder:
@@ -126,11 +123,11 @@ def evidence_recall(dialogue: Dialogue, bank: MemoryBank, encoder: Encoder,
 
 def main(argv: list[str]) -> None:
   del argv
-  config = _CONFIG.value
+  config = flags.FLAGS.config
   validate_config(config, required=("dataset", "encoder", "memory", "reward"))
   if config.policy not in POLICIES:
     raise app.UsageError(f"policy must be one of {sorted(POLICIES)}")
-  workdir = _WORKDIR.value
+  workdir = flags.FLAGS.workdir
   encoder = make_encoder(config.encoder)
   dialogues = load_dataset(config.dataset.name, config.dataset.path)
   summary = {}
@@ -165,4 +162,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  define_command_line_flags()
   app.run(main)

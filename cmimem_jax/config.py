@@ -156,3 +156,18 @@ def memory_defaults() -> ml_collections.ConfigDict:
       "chunk_budget_chars": 8000,
       "update_match_threshold": 0.9,
   })
+
+
+def define_command_line_flags(workdir: bool = True) -> None:
+  """Defines `--config` (an ml_collections config file, overridable with
+  `--config.a.b=v`) and optionally `--workdir`, once per process: every
+  entry point (`train`, `evaluate`, `serve`, `build_memory`) shares them, so
+  they can be imported together. Read them as `flags.FLAGS.config` /
+  `flags.FLAGS.workdir`."""
+  from absl import flags
+  from ml_collections import config_flags
+  if "config" not in flags.FLAGS:
+    config_flags.DEFINE_config_file("config", None, "Config file.")
+  if workdir and "workdir" not in flags.FLAGS:
+    flags.DEFINE_string("workdir", None, "Output directory (checkpoints, "
+                        "metrics, banks, results).")

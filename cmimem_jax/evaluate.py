@@ -24,10 +24,10 @@ import time
 from typing import Any
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 from tqdm import tqdm
 
-from cmimem_jax.config import register_section, validate_config
+from cmimem_jax.config import (define_command_line_flags, register_section,
+                               validate_config)
 from cmimem_jax.data import Dialogue, Question, load_dataset
 from cmimem_jax.encoders import Encoder, make_encoder
 from cmimem_jax.evaluation.answering import (ChatModel, MemoryContext,
@@ -42,8 +42,6 @@ from cmimem_jax.evaluation.metrics import (aggregate, best_over_golds,
 from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.builder import build_bank
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.")
 
 METHODS = ("rag", "prompting", "policy")
 JUDGES = ("context_recall", "llm")
@@ -264,13 +262,14 @@ def evaluate(config, workdir: str) -> dict:
 
 def main(argv: list[str]) -> None:
   del argv
-  if not _WORKDIR.value:
+  if not flags.FLAGS.workdir:
     raise app.UsageError("--workdir is required")
-  result = evaluate(_CONFIG.value, _WORKDIR.value)
+  result = evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
   print(json.dumps({k: result[k] for k in ("dataset", "method", "judge",
                                            "overall", "by_category", "n",
                                            "failures")}, indent=1))
 
 
 if __name__ == "__main__":
+  define_command_line_flags()
   app.run(main)

@@ -26,12 +26,11 @@ from typing import Any
 
 import jax
 from absl import app, flags, logging
-from ml_collections import config_flags
 
+from cmimem_jax.config import define_command_line_flags
 from cmimem_jax.encoders import Encoder, make_encoder
 from cmimem_jax.rl.policy import ChatPolicy, load_policy, load_tokenizer
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port (0: any free port).")
 
@@ -272,12 +271,13 @@ class Server:
 
 def main(argv: list[str]) -> None:
   del argv
-  server = Server(_CONFIG.value, _HOST.value, _PORT.value)
-  logging.info("serving %s at %s", _CONFIG.value.serve.model_name,
+  server = Server(flags.FLAGS.config, _HOST.value, _PORT.value)
+  logging.info("serving %s at %s", flags.FLAGS.config.serve.model_name,
                server.base_url)
   print(f"serving at {server.base_url}", flush=True)
   server.httpd.serve_forever()
 
 
 if __name__ == "__main__":
+  define_command_line_flags(workdir=False)
   app.run(main)

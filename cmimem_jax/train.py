@@ -30,10 +30,10 @@ from typing import Any
 import jax
 import numpy as np
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from cmimem_jax.cmi.reward import RewardComputer, RewardConfig
-from cmimem_jax.config import register_section, validate_config
+from cmimem_jax.config import (define_command_line_flags, register_section,
+                               validate_config)
 from cmimem_jax.data import Dialogue, load_dataset
 from cmimem_jax.encoders import make_encoder
 from cmimem_jax.evaluation.client import EndpointConfig, OpenAIClient
@@ -53,8 +53,6 @@ from cmimem_jax.rl.policy import ChatPolicy, load_policy, load_tokenizer
 from cmimem_jax.rl.vllm_engine import (VLLMEngine, checkpoint_dir,
                                        import_vllm, recompute_logprobs)
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics.")
 
 # (prompts, key, temperature, top_p, max_new_tokens) -> SampleOutput.
 RolloutFn = Callable[..., Any]
@@ -355,20 +353,20 @@ def summary_text(history: list[dict[str, Any]], before: str, after: str,
 
 def main(argv: list[str]) -> None:
   del argv
-  if not _WORKDIR.value:
+  if not flags.FLAGS.workdir:
     raise app.UsageError("--workdir is required")
   start = time.perf_counter()
-  loop = Trainer(_CONFIG.value, _WORKDIR.value)
+  loop = Trainer(flags.FLAGS.config, flags.FLAGS.workdir)
   demo_ref = loop.curriculum.batch(0)[0]
   demo_session = (f"{loop.dialogues[demo_ref.dialogue].dialogue_id}/"
                   f"{demo_ref.session}")
-  before_path = os.path.join(_WORKDIR.value, "demo_before.txt")
+  before_path = os.path.join(flags.FLAGS.workdir, "demo_before.txt")
   if not os.path.exists(before_path):  # The initial policy's response.
     with open(before_path, "w") as f:
       f.write(loop.greedy_response(demo_ref))
   loop.run()
   after = loop.greedy_response(demo_ref)
-  history = read_metrics(_WORKDIR.value)  # Every step, resumed runs too.
+  history = read_metrics(flags.FLAGS.workdir)  # Every step, resumed runs too.
   with open(before_path) as f:
     before = f.read()
   print(summary_text(history, before, after, demo_session))
@@ -378,4 +376,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  define_command_line_flags()
   app.run(main)
