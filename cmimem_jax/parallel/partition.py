@@ -63,6 +63,8 @@ def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
     names = (axes,) if isinstance(axes, str) else tuple(axes or ())
     split = int(np.prod([mesh.shape[a] for a in names])) if names else 1
     fitted.append(axes if names and size % split == 0 else None)
+  while fitted and fitted[-1] is None:  # Canonical: P() not P(None,).
+    fitted.pop()
   return P(*fitted)
 
 
