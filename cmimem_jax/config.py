@@ -171,3 +171,16 @@ def define_command_line_flags(workdir: bool = True) -> None:
   if workdir and "workdir" not in flags.FLAGS:
     flags.DEFINE_string("workdir", None, "Output directory (checkpoints, "
                         "metrics, banks, results).")
+
+
+def apply_overrides(config: ml_collections.ConfigDict,
+                    overrides: dict[str, object]) -> ml_collections.ConfigDict:
+  """Sets dotted fields in place (`{"rl.max_steps": 3}`), as
+  `--config.rl.max_steps=3` does on the command line; returns `config`."""
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  return config

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cmimem_jax.cmi.reward import RewardComputer, RewardConfig, RolloutInput
-from cmimem_jax.config import ConfigError
+from cmimem_jax.config import ConfigError, apply_overrides
 from cmimem_jax.evaluation.answering import MemoryContext
 from cmimem_jax.evaluation.judges import context_recall
 from cmimem_jax.memory.dsl import parse
@@ -31,13 +31,7 @@ def tiny_config(**overrides):
   config = module.get_config()
   config.mesh = "fsdp:2,tensor:4"  # The 8 fake CPU devices of conftest.
   config.tensorboard = False
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
-  return config
+  return apply_overrides(config, overrides)
 
 
 def test_tiny_run_writes_checkpoints_and_resumes(tmp_path):

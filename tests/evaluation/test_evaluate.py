@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from cmimem_jax.config import ConfigError
+from cmimem_jax.config import ConfigError, apply_overrides
 from cmimem_jax.evaluate import evaluate
 
 from fake_openai import FakeOpenAI  # noqa: I100
@@ -25,13 +25,7 @@ def eval_config(path, name="locomo", **overrides):
   config.dataset.name, config.dataset.path = name, path
   # The hashing encoder keeps the full-file runs fast; MiniLM is the default.
   config.encoder.kind, config.encoder.dim = "hashing", 256
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
-  return config
+  return apply_overrides(config, overrides)
 
 
 def read_jsonl(path):
