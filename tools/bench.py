@@ -23,6 +23,7 @@ Scenarios:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -406,7 +407,7 @@ def nnx_jit_forward():
 
   from cmimem_jax.models.qwen3 import positions_from_mask
 
-  @nnx.jit
+  @functools.partial(nnx.jit, graph=False)
   def forward(model, tokens, mask):
     logits, _ = model(tokens, positions_from_mask(mask), mask)
     return logits

@@ -64,7 +64,7 @@ class TransformerEncoder:
     self.padding_side = padding_side
     self.buckets = tuple(b for b in length_buckets if b < max_length) + (
         max_length,)
-    self._forward = nnx.jit(pooled)
+    self._forward = nnx.jit(pooled, graph=False)
 
   def _tokenize(self, texts: Sequence[str]) -> list[list[int]]:
     encoded = self.tokenizer(list(texts), truncation=True,

@@ -113,7 +113,8 @@ def sample_output(prompts: Sequence[list[int]], completions: Sequence[Any],
   return SampleOutput(tokens, logprobs, lengths, prompt_tokens, prompt_mask)
 
 
-@functools.partial(nnx.jit, static_argnames=("temperature", "chunk", "start"))
+@functools.partial(nnx.jit, static_argnames=("temperature", "chunk", "start"),
+                   graph=False)
 def _policy_logprobs(model: Qwen3, tokens: jax.Array, mask: jax.Array,
                      temperature: float, chunk: int, start: int) -> jax.Array:
   return token_logprobs(model, tokens, mask, temperature=temperature,

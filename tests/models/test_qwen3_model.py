@@ -40,8 +40,9 @@ def test_load_onto_a_mesh_with_per_parameter_shardings(tmp_path):
                                                           "tensor")
   assert len(sharded.layers.gate_proj[...].addressable_shards) == 8
   tokens, mask = left_padded_batch(96, [7, 4], 8)
-  a, _ = nnx.jit(lambda m, t, k: m(t, positions_from_mask(k), k))(
-      sharded, tokens, mask)
+  forward = nnx.jit(lambda m, t, k: m(t, positions_from_mask(k), k),
+                    graph=False)
+  a, _ = forward(sharded, tokens, mask)
   b, _ = plain(tokens, positions_from_mask(mask), mask)
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
@@ -84,6 +85,24 @@ def test_attention_implementations_agree_with_padding_and_cache():
     stepped[impl] = np.concatenate([np.asarray(o) for o in outs], axis=1)
   np.testing.assert_allclose(stepped["per_head"], stepped["batched"],
                              atol=1e-5)
+  # The unrolled layer loop over per-layer weights and a per-layer cache.
+  m = models["batched"]
+  cache = KVCache.zeros(m.config, 3, 12)
+  logits, cache = m(tokens[:, :8], positions[:, :8], mask[:, :8], cache, 0)
+  cache, layers, outs = cache.per_layer(), m.layer_params(), [logits]
+  for i in (8, 9):
+    logits, cache = m(tokens[:, i:i + 1], positions[:, i:i + 1],
+                      mask[:, i:i + 1], cache, i, layers=layers)
+    outs.append(logits)
+  unrolled = np.concatenate([np.asarray(o) for o in outs], axis=1)
+  np.testing.assert_allclose(unrolled, stepped["batched"], atol=1e-6)
+  assert len(cache.keys) == 2 and cache.stacked().keys.shape == (2, 3, 12, 2,
+                                                                 24)
+  with pytest.raises(ValueError, match="per-layer cache"):
+    m(tokens[:, 8:9], positions[:, 8:9], mask[:, 8:9], cache.stacked(), 8,
+      layers=layers)
+  with pytest.raises(ValueError, match="decode_loop"):
+    preset("tiny", decode_loop="loop")
   real = mask.astype(bool)
   np.testing.assert_allclose(stepped["batched"][real], full["batched"][real],
                              atol=1e-5)

@@ -55,6 +55,24 @@ def test_logprobs_equal_recomputed_logprobs(model, temperature, top_p):
       assert out.logprobs[r, i] == pytest.approx(float(logp), abs=1e-5)
 
 
+def test_scanned_and_unrolled_decode_loops_agree():
+  """Both layer loops of cached decoding (`decode_loop`) on the same
+  weights: same sampled tokens, log-probs within 1e-6, and the unrolled
+  sampler hands back a stacked cache it reuses on the next call."""
+  outputs = {}
+  for loop in ("scan", "unrolled"):
+    model = Qwen3(preset("tiny", vocab_size=64, max_position_embeddings=256,
+                         decode_loop=loop), rngs=nnx.Rngs(0))
+    sampler = Sampler(model, SamplingConfig(temperature=1.0, top_p=0.9,
+                                            max_new_tokens=7), buckets=(8,))
+    outputs[loop] = [sampler(PROMPTS, jax.random.key(k)) for k in (1, 1)]
+    assert sampler._caches[(3, 15)].keys.shape[0] == 2  # [L, ...] again.
+  scan, unrolled = outputs["scan"][0], outputs["unrolled"][1]
+  np.testing.assert_array_equal(scan.tokens, unrolled.tokens)
+  np.testing.assert_array_equal(scan.lengths, unrolled.lengths)
+  np.testing.assert_allclose(scan.logprobs, unrolled.logprobs, atol=1e-6)
+
+
 def test_fixed_key_is_reproducible_and_keys_differ(model):
   sampler = Sampler(model, SamplingConfig(temperature=1.0, top_p=1.0,
                                           max_new_tokens=8), buckets=(8,))

@@ -54,6 +54,14 @@ class Qwen3Config:
   # XLA:CPU, whose batched dots are slow. "auto": per_head on CPU for 16+
   # queries (prefill, training), batched otherwise (decoding, GPU/TPU).
   attention_impl: str = "auto"
+  # How cached decoding runs the layers. "scan": `lax.scan` over the [L]
+  # stack (one compiled layer). "unrolled": a Python loop over per-layer
+  # weight copies sliced once per `generate` call — XLA:CPU copies each
+  # scanned layer's weights out of the stack every step (decoding is
+  # weight-bandwidth bound, so that copy costs ~30 %), at the price of a
+  # second copy of the layer weights while generating. "auto": unrolled on
+  # CPU, scan on GPU/TPU (memory is scarcer there).
+  decode_loop: str = "auto"
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
@@ -64,6 +72,9 @@ class Qwen3Config:
     if self.attention_impl not in ("auto", "batched", "per_head"):
       raise ValueError("attention_impl must be auto/batched/per_head, got "
                        f"{self.attention_impl!r}")
+    if self.decode_loop not in ("auto", "scan", "unrolled"):
+      raise ValueError("decode_loop must be auto/scan/unrolled, got "
+                       f"{self.decode_loop!r}")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"{name} must be one of {sorted(_DTYPES)}")
@@ -75,6 +86,14 @@ class Qwen3Config:
   @property
   def storage_dtype(self) -> Any:
     return _DTYPES[self.param_dtype]
+
+  @property
+  def unrolled_decode(self) -> bool:
+    """Whether cached decoding loops over per-layer weights (see
+    `decode_loop`)."""
+    if self.decode_loop == "auto":
+      return jax.default_backend() == "cpu"
+    return self.decode_loop == "unrolled"
 
   @classmethod
   def from_hf(cls, hf: dict[str, Any], **overrides: Any) -> Qwen3Config:
@@ -203,10 +222,21 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 @dataclasses.dataclass
 class KVCache:
   """Keys/values `[L, B, S, kv_heads, head_dim]`; `valid` `[B, S]` marks
-  written, non-padding slots."""
-  keys: jax.Array
-  values: jax.Array
+  written, non-padding slots.
+
+  In per-layer form (`per_layer()`, used by the unrolled decode loop) keys
+  and values are L-tuples of `[B, S, kv_heads, head_dim]` arrays, so each
+  layer's slot is updated in place without slicing the stack.
+  """
+  keys: jax.Array | tuple[jax.Array, ...]
+  values: jax.Array | tuple[jax.Array, ...]
   valid: jax.Array
+
+  def per_layer(self) -> KVCache:
+    return KVCache(tuple(self.keys), tuple(self.values), self.valid)
+
+  def stacked(self) -> KVCache:
+    return KVCache(jnp.stack(self.keys), jnp.stack(self.values), self.valid)
 
   @classmethod
   def zeros(cls, config: Qwen3Config, batch: int, length: int) -> KVCache:
@@ -374,9 +404,17 @@ class Qwen3(nnx.Module):
     return {name: value[...] for name, value in vars(self.layers).items()
             if isinstance(value, nnx.Param)}
 
+  def layer_params(self) -> tuple[dict[str, jax.Array], ...]:
+    """Per-layer parameter dicts sliced off the `[L]` stack (copies): the
+    `layers` argument of `hidden_states` for the unrolled decode loop."""
+    stacked = self._stacked()
+    return tuple({name: value[i] for name, value in stacked.items()}
+                 for i in range(self.config.num_hidden_layers))
+
   def hidden_states(self, tokens: jax.Array, positions: jax.Array,
                     attention_mask: jax.Array, cache: KVCache | None = None,
-                    cache_index: jax.Array | int = 0
+                    cache_index: jax.Array | int = 0,
+                    layers: tuple[dict[str, jax.Array], ...] | None = None,
                     ) -> tuple[jax.Array, KVCache | None]:
     """Final-norm hidden states `[B, T, H]`.
 
@@ -387,6 +425,8 @@ class Qwen3(nnx.Module):
       cache: Optional KV cache; the T new keys/values are written at
         `cache_index` and attention covers every valid cache slot.
       cache_index: Where the new tokens go in the cache.
+      layers: `layer_params()` to run the layers as an unrolled loop over
+        these (with `cache` in per-layer form) instead of scanning the stack.
 
     Returns:
       `(hidden [B, T, H], updated cache or None)`.
@@ -417,7 +457,15 @@ class Qwen3(nnx.Module):
                 if c.remat == "dots" else None)
       layer = jax.checkpoint(layer, policy=policy)
 
-    if cache is None:
+    if layers is not None:
+      if cache is None or not isinstance(cache.keys, tuple):
+        raise ValueError("the unrolled layer loop takes a per-layer cache "
+                         "(KVCache.per_layer())")
+      keys, values = list(cache.keys), list(cache.values)
+      for i, p in enumerate(layers):
+        x, (keys[i], values[i]) = layer(x, p, (keys[i], values[i]))
+      new_cache = KVCache(tuple(keys), tuple(values), valid)
+    elif cache is None:
       def body(x, p):
         x, _ = layer(x, p, None)
         return x, None
@@ -444,15 +492,17 @@ class Qwen3(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                attention_mask: jax.Array | None = None,
-               cache: KVCache | None = None, cache_index: jax.Array | int = 0
+               cache: KVCache | None = None, cache_index: jax.Array | int = 0,
+               layers: tuple[dict[str, jax.Array], ...] | None = None,
                ) -> tuple[jax.Array, KVCache | None]:
-    """Logits `[B, T, V]` (float32) and the updated cache."""
+    """Logits `[B, T, V]` (float32) and the updated cache (arguments as
+    `hidden_states`)."""
     if attention_mask is None:
       attention_mask = jnp.ones(tokens.shape, jnp.int32)
     if positions is None:
       positions = positions_from_mask(attention_mask)
     hidden, cache = self.hidden_states(tokens, positions, attention_mask,
-                                       cache, cache_index)
+                                       cache, cache_index, layers)
     return self.logits(hidden), cache
 
 
