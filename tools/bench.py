@@ -54,8 +54,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                        default=512 if name == "forward" else 128,
                        help="tokens per row (forward) or prompt length")
     model.add_argument("--new_tokens", type=int, default=128)
-    model.add_argument("--reps", type=int, default=2)
+    model.add_argument("--reps", type=int, default=4 if name == "forward"
+                       else 2)
     model.add_argument("--devices", type=int, default=1)
+    model.add_argument("--attention_impl", default="auto",
+                       choices=["auto", "batched", "per_head"])
   train = sub.add_parser("train_step",
                          help="one GRPO train step vs one forward pass")
   train.add_argument("--model", default="smollm2_135m")
@@ -67,6 +70,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                      help="> 0 adds the reference forward (ideal ratio ~4)")
   train.add_argument("--reps", type=int, default=3)
   train.add_argument("--devices", type=int, default=1)
+  train.add_argument("--attention_impl", default="auto",
+                     choices=["auto", "batched", "per_head"])
   return parser.parse_args(argv)
 
 
@@ -347,7 +352,7 @@ def _model_pair(name: str, workdir: str):
 
   from cmimem_jax.models.qwen3 import load_hf, preset
   overrides = {"num_hidden_layers": ARGS.layers} if ARGS.layers else {}
-  config = preset(name, **overrides)
+  config = preset(name, attention_impl=ARGS.attention_impl, **overrides)
   hf_config = transformers.AutoConfig.for_model(**config.to_hf())
   torch.manual_seed(0)
   reference = transformers.AutoModelForCausalLM.from_config(
@@ -451,7 +456,8 @@ def run_train_step() -> None:
   from cmimem_jax.parallel import make_mesh
   from cmimem_jax.rl import (GRPOLossConfig, GRPOTrainer, OptimizerConfig,
                              TrainStepConfig)
-  config = preset(ARGS.model, num_hidden_layers=ARGS.layers)
+  config = preset(ARGS.model, num_hidden_layers=ARGS.layers,
+                  attention_impl=ARGS.attention_impl)
   model = Qwen3(config, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   b, t = ARGS.batch, ARGS.length
