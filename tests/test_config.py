@@ -1,5 +1,4 @@
 import pytest
-from ml_collections import config_flags  # noqa: F401  (import check)
 
 from cmimem_jax.config import ConfigError, validate_config
 from configs import build_memory

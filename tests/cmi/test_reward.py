@@ -172,7 +172,7 @@ def test_semantic_skip_justified_when_store_explains_session():
 
 
 def test_attribution_weights_and_tokens():
-  text = f"CORE:APPEND|Owns Rex\nEPISODIC:ADD|a\nSEMANTIC:ADD|b\nPROCEDURAL:SKIP"
+  text = "CORE:APPEND|Owns Rex\nEPISODIC:ADD|a\nSEMANTIC:ADD|b\nPROCEDURAL:SKIP"
   terms = _score(text, counts={MemoryType.SEMANTIC: 5,
                                MemoryType.EPISODIC: 2})
   assert terms.dominant_type is MemoryType.SEMANTIC
