@@ -1,0 +1,56 @@
+"""`tools/bench.py` end to end on shrunken shapes: every scenario runs,
+prints its JSON line, and its built-in agreement checks against the peers
+hold (the benchmark compares like with like)."""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _bench(*args: str) -> list[dict]:
+  # The tool sets its own device count before importing jax.
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  result = subprocess.run(
+      [sys.executable, "tools/bench.py", *args], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=600, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = [json.loads(line) for line in result.stdout.splitlines()
+          if line.startswith("{")]
+  assert rows, result.stdout[-2000:]
+  return rows
+
+
+def _positive(value: float) -> bool:
+  return math.isfinite(value) and value > 0
+
+
+@pytest.mark.slow
+def test_model_scenarios_agree_with_transformers():
+  small = ("--models=smollm2_135m", "--layers=1", "--reps=1")
+  (forward,) = _bench("forward", *small, "--length=32")
+  assert forward["max_abs_logit_diff"] < 1e-4
+  (generate,) = _bench("generate", *small, "--length=16", "--new_tokens=4")
+  assert generate["greedy_token_agreement"] == 1.0
+  for row in (forward, generate):
+    assert _positive(row["speedup_vs_transformers"])
+    assert _positive(row["ours_tokens_per_s"])
+  (step,) = _bench("train_step", "--layers=1", "--length=32", "--reps=1")
+  assert _positive(step["train_step_over_forward"])
+
+
+@pytest.mark.slow
+def test_cmi_scenarios_agree_with_peers():
+  kernel, workload = _bench("cmi", "--quick", "--reps=1")
+  assert kernel["max_abs_diff_vs_torch"] < 1e-6
+  assert kernel["max_abs_diff_vs_numpy_loop"] < 1e-6
+  assert workload["max_abs_reward_diff_vs_torch"] < 1e-6
+  assert workload["max_abs_reward_diff_vs_numpy_loop"] < 1e-6
+  for row in (kernel, workload):
+    assert _positive(row["speedup_vs_torch_batched"])
