@@ -233,8 +233,33 @@ class _HTTPServer(ThreadingHTTPServer):
   request_queue_size = 256  # Bursts of concurrent clients (default: 5).
 
 
-class Server:
-  """The HTTP server in a background thread (`with Server(...) as s:`)."""
+class BackgroundServer:
+  """An OpenAI-style HTTP server run in a daemon thread while inside
+  `with ...:`; `base_url` ends in `/v1`."""
+
+  def __init__(self, handler: type[BaseHTTPRequestHandler],
+               host: str = "127.0.0.1", port: int = 0):
+    self.httpd = _HTTPServer((host, port), handler)
+    self._thread = threading.Thread(target=self.httpd.serve_forever,
+                                    daemon=True)
+
+  @property
+  def base_url(self) -> str:
+    host, port = self.httpd.server_address[:2]
+    return f"http://{host}:{port}/v1"
+
+  def __enter__(self):
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.httpd.shutdown()
+    self.httpd.server_close()
+
+
+class Server(BackgroundServer):
+  """Our policy and encoder behind the OpenAI API (`with Server(...) as
+  s:`)."""
 
   def __init__(self, config: Any, host: str = "127.0.0.1", port: int = 0):
     serve = config.serve
@@ -251,22 +276,7 @@ class Server:
     api_key = os.environ.get(serve.api_key_env) if serve.api_key_env else None
     handler = make_handler(batcher, self.encoder, serve.model_name, api_key,
                            serve.max_new_tokens)
-    self.httpd = _HTTPServer((host, port), handler)
-    self._thread = threading.Thread(target=self.httpd.serve_forever,
-                                    daemon=True)
-
-  @property
-  def base_url(self) -> str:
-    host, port = self.httpd.server_address[:2]
-    return f"http://{host}:{port}/v1"
-
-  def __enter__(self) -> Server:
-    self._thread.start()
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.httpd.shutdown()
-    self.httpd.server_close()
+    super().__init__(handler, host, port)
 
 
 def main(argv: list[str]) -> None:

@@ -17,11 +17,12 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import numpy as np
 
 from cmimem_jax.evaluation.metrics import normalize_answer
+from cmimem_jax.serve import BackgroundServer
 
 
 def reply_for(content: str) -> str:
@@ -41,7 +42,7 @@ def embedding_for(text: str, dim: int = 16) -> list[float]:
   return (vector / np.linalg.norm(vector)).tolist()
 
 
-class FakeOpenAI:
+class FakeOpenAI(BackgroundServer):
 
   def __init__(self, behaviour: Callable[[str, int], str] = lambda c, a: "ok",
                delay_s: float = 1.0, reply: Callable[[str], str] = reply_for):
@@ -98,19 +99,4 @@ class FakeOpenAI:
             "id": "x", "object": "chat.completion", "created": 0,
             "model": request["model"], "choices": choices}).encode())
 
-    self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    self.httpd.daemon_threads = True
-    self.thread = threading.Thread(target=self.httpd.serve_forever,
-                                   daemon=True)
-
-  @property
-  def base_url(self) -> str:
-    return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-  def __enter__(self) -> FakeOpenAI:
-    self.thread.start()
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.httpd.shutdown()
-    self.httpd.server_close()
+    super().__init__(Handler)
