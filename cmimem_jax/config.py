@@ -2,8 +2,10 @@
 
 Configs are `ml_collections.ConfigDict`s defined in `configs/*.py` and loaded
 with absl `config_flags` (`--config=configs/x.py --config.a.b=v`). Each
-section a config has is checked here before anything is built or compiled;
-all problems are reported together in one `ConfigError`.
+section a config has is checked before anything is built or compiled (the
+shared sections here, the others by the package that owns them through
+`register_section`); all problems are reported together in one
+`ConfigError`.
 """
 
 from __future__ import annotations
@@ -97,29 +99,17 @@ def _check_memory(c: _Checker) -> None:
                       "memory.core_cap_chars")
 
 
-def _check_reward(c: _Checker) -> None:
-  from cmimem_jax.cmi.reward import RewardConfig  # Heavy import: lazily.
-  try:
-    config = RewardConfig.from_config(c.config.reward)
-  except (TypeError, ValueError) as e:
-    c.problems.append(f"reward: {e}")
-    return
-  conditioning = config.conditioning
-  if conditioning.top_k < 1 or conditioning.n_recent < 0:
-    c.problems.append("reward.conditioning: top_k must be >= 1 and "
-                      "n_recent >= 0")
-
-
 _SECTIONS: dict[str, Callable[[_Checker], None]] = {
     "dataset": _check_dataset,
     "encoder": _check_encoder,
     "memory": _check_memory,
-    "reward": _check_reward,
 }
 
 
 def register_section(name: str, check: Callable[[_Checker], None]) -> None:
-  """Adds the validator for a config section (used by later subsystems)."""
+  """Adds the validator for a config section: each subsystem registers its
+  own when imported (`reward` by `cmi`, `rl` by `task.loop`, `judge` by
+  `evaluation.run`), so this module depends on none of them."""
   _SECTIONS[name] = check
 
 

@@ -21,8 +21,13 @@ def get_config():
   # One prompt bucket: every sampler and train-step shape compiles once.
   # Two rollouts per session keep three steps under 10 minutes on 2 cores
   # (each step: 3 sessions x 2 rollouts sampled, scored, one GRPO update).
+  # SmolLM2-135M never writes parseable DSL unaided (validity 0, so every
+  # reward and advantage would be 0): decoding is grammar-constrained. The
+  # shortest valid response is 33 tokens with this tokenizer; 80 leave
+  # room for content, and the token budget ends every row in time.
   config.rollout.update({"num_rollouts": 2, "temperature": 0.8, "top_p": 0.9,
-                         "max_new_tokens": 64, "buckets": (768,)})
+                         "max_new_tokens": 80, "buckets": (768,),
+                         "constrained_dsl": True})
   config.rl.update({"max_steps": 3, "learning_rate": 1e-5,
                     "warmup_steps": 0})
   return config

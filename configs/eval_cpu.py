@@ -16,7 +16,7 @@ from cmimem_jax.config import memory_defaults
 
 
 def endpoint_defaults() -> ml_collections.ConfigDict:
-  """An OpenAI-compatible endpoint (`evaluation.client.EndpointConfig`)."""
+  """An OpenAI-compatible endpoint (`client.EndpointConfig`)."""
   return ml_collections.ConfigDict({
       "base_url": "http://127.0.0.1:8000/v1", "model": "",
       "api_key_env": "OPENAI_API_KEY", "timeout_s": 60.0, "max_retries": 3,
@@ -25,18 +25,23 @@ def endpoint_defaults() -> ml_collections.ConfigDict:
 
 
 def model_section(kind: str) -> ml_collections.ConfigDict:
-  """A chat model: "endpoint", our Flax policy from a GGUF ("local"; empty
-  path = the embedded SmolLM2-135M-Instruct), or "none"."""
+  """A chat model: "endpoint", our Flax policy ("local": `path` a GGUF file
+  or an HF checkpoint folder, empty = the embedded SmolLM2-135M-Instruct;
+  `init_checkpoint` a `train` / `sft` workdir whose newest weights replace
+  the loaded ones), or "none". `constrained_dsl`: a local builder of the
+  `policy` method decodes valid DSL only."""
   return ml_collections.ConfigDict({
-      "kind": kind, "endpoint": endpoint_defaults(), "gguf": "",
-      "max_new_tokens": 256})
+      "kind": kind, "endpoint": endpoint_defaults(), "path": "",
+      "init_checkpoint": "", "max_new_tokens": 256,
+      "constrained_dsl": False})
 
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.dataset = ml_collections.ConfigDict({
       "name": "locomo", "path": "../shared/data/locomo/locomo10.json",
-      "dialogues": 0})  # 0: all.
+      # Dialogues start .. start + dialogues - 1 (dialogues 0: to the end).
+      "start": 0, "dialogues": 0})
   config.encoder = ml_collections.ConfigDict(
       {"kind": "minilm", "dim": 384, "path": ""})
   config.memory = memory_defaults()

@@ -14,7 +14,7 @@ from cmimem_jax.data import bundled_path
 
 
 def endpoint(model: str = "") -> ml_collections.ConfigDict:
-  """An OpenAI-compatible endpoint (`evaluation.client.EndpointConfig`)."""
+  """An OpenAI-compatible endpoint (`client.EndpointConfig`)."""
   return ml_collections.ConfigDict({
       "base_url": "http://127.0.0.1:8000/v1", "model": model,
       "api_key_env": "OPENAI_API_KEY", "timeout_s": 60.0, "max_retries": 3,
@@ -37,13 +37,19 @@ def get_config() -> ml_collections.ConfigDict:
       "source": "random",  # random | gguf | hf
       "preset": "tiny", "path": "", "seed": 0,
       "tokenizer": "",     # GGUF file or HF dir; "" = embedded SmolLM2.
+      # A training workdir (e.g. `cmimem_jax.sft`'s) whose newest weights
+      # replace the loaded ones before GRPO starts ("" = none).
+      "init_checkpoint": "",
       "dtype": "float32", "param_dtype": "float32", "remat": "none",
       "max_position_embeddings": 2048})
   config.rollout = ml_collections.ConfigDict({
       "engine": "jax", "num_rollouts": 4, "temperature": 1.0, "top_p": 1.0,
       "max_new_tokens": 24, "max_prompt_tokens": 1024,
       "buckets": (512, 640, 768, 1024),
-      "retrieval_top_k": 20})  # 0: no retrieval index (ablation).
+      "retrieval_top_k": 20,  # 0: no retrieval index (ablation).
+      # Grammar-constrained DSL decoding (JAX engine only): for policies too
+      # small to follow the format; the paper's 4B runs are unconstrained.
+      "constrained_dsl": False})
   config.qa = ml_collections.ConfigDict({
       "judge": "context_recall",  # context_recall | llm
       "top_k": 10, "prompt": "listing11",

@@ -1,5 +1,6 @@
 import pytest
 
+import cmimem_jax.cmi  # noqa: F401 - registers the `reward` section.
 from cmimem_jax.config import ConfigError, validate_config
 from configs import build_memory
 

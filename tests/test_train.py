@@ -15,9 +15,9 @@ from cmimem_jax.evaluation.answering import MemoryContext
 from cmimem_jax.evaluation.judges import context_recall
 from cmimem_jax.memory.dsl import parse
 from cmimem_jax.rl import read_metrics
-from cmimem_jax.rl.episode import apply_to_copy
 from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
-from cmimem_jax.train import Trainer
+from cmimem_jax.task.episode import apply_to_copy
+from cmimem_jax.task.loop import Trainer
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -72,10 +72,18 @@ RESPONSES = [
 ]
 
 
-def scripted_rollouts(tokenizer):
-  """A rollout function returning RESPONSES cyclically (for every row)."""
-  def rollout(prompts, key, temperature, top_p, max_new_tokens):
-    del key, temperature, top_p
+class ScriptedEngine:
+  """A `GenerationEngine` returning RESPONSES cyclically (for every row)."""
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+
+  def set_model(self, model):
+    del model
+
+  def generate(self, prompts, key, temperature, top_p, max_new_tokens):
+    del key, temperature, top_p, max_new_tokens
+    tokenizer = self.tokenizer
     length = bucket_length(max(len(p) for p in prompts), (512, 1024))
     prompt_tokens, prompt_mask = left_pad(prompts, length, 0)
     texts = [RESPONSES[i % len(RESPONSES)] for i in range(len(prompts))]
@@ -87,13 +95,12 @@ def scripted_rollouts(tokenizer):
     return SampleOutput(tokens, np.zeros(tokens.shape, np.float32),
                         np.array([len(e) for e in encoded]), prompt_tokens,
                         prompt_mask)
-  return rollout
 
 
 def test_logged_reward_terms_equal_direct_computation(tmp_path):
   config = tiny_config(**{"rl.max_steps": 1, "reward.alpha": 0.5})
   loop = Trainer(config, str(tmp_path))
-  loop.rollout_fn = scripted_rollouts(loop.policy.tokenizer)
+  loop.policy.engine = ScriptedEngine(loop.policy.tokenizer)
   metrics = loop.step()
 
   # Directly: parse each response, apply it to the session's snapshot,

@@ -454,7 +454,7 @@ def run_train_step() -> None:
 
   from cmimem_jax.models.qwen3 import Qwen3, preset
   from cmimem_jax.parallel import make_mesh
-  from cmimem_jax.rl import (GRPOLossConfig, GRPOTrainer, OptimizerConfig,
+  from cmimem_jax.rl import (GRPOLossConfig, Learner, OptimizerConfig,
                              TrainStepConfig)
   config = preset(ARGS.model, num_hidden_layers=ARGS.layers,
                   attention_impl=ARGS.attention_impl)
@@ -473,7 +473,7 @@ def run_train_step() -> None:
   jtokens, jmask = jnp.asarray(tokens), jnp.asarray(mask)
   jax.block_until_ready(forward(model, jtokens, jmask))
   forward_s = best_time(lambda: forward(model, jtokens, jmask), ARGS.reps)
-  trainer = GRPOTrainer(model, TrainStepConfig(
+  trainer = Learner(model, TrainStepConfig(
       loss=GRPOLossConfig(kl_beta=ARGS.kl_beta),
       optimizer=OptimizerConfig(learning_rate=1e-6)),
       make_mesh("data:-1"))

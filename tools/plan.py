@@ -121,7 +121,7 @@ def main(argv=None) -> list[dict]:
                  "token_weights": spec(jnp.float32, batch, length)}
       start = time.perf_counter()
       compiled = step.lower(length - completion, a_params, a_opt, a_batch,
-                            a_params if with_ref else None).compile()
+                            a_params if with_ref else None, None).compile()
       compile_s = time.perf_counter() - start
       memory = compiled.memory_analysis()
       cost = compiled.cost_analysis()

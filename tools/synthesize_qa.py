@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from cmimem_jax.evaluation.client import EndpointConfig, OpenAIClient  # noqa: E402
+from cmimem_jax.client import EndpointConfig, OpenAIClient  # noqa: E402
 from cmimem_jax.memory.json_agents import loads_llm_json  # noqa: E402
 
 QA_TYPES = ("single-session", "multi-session", "temporal")

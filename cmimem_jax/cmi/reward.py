@@ -35,6 +35,7 @@ import numpy as np
 from cmimem_jax.cmi.banked import banked_rho
 from cmimem_jax.cmi.conditioning import ConditioningConfig
 from cmimem_jax.cmi.kernel import normalize_inputs, normalized_residuals
+from cmimem_jax.config import register_section
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.memory.bank import MemoryBank, embed_texts
 from cmimem_jax.memory.dsl import ParsedResponse
@@ -486,3 +487,18 @@ def token_weights(token_offsets: Sequence[tuple[int, int]],
       if overlap > best:
         best, weights[t] = overlap, weight
   return weights
+
+
+def _check_reward(c) -> None:
+  try:
+    config = RewardConfig.from_config(c.config.reward)
+  except (TypeError, ValueError) as e:
+    c.problems.append(f"reward: {e}")
+    return
+  conditioning = config.conditioning
+  if conditioning.top_k < 1 or conditioning.n_recent < 0:
+    c.problems.append("reward.conditioning: top_k must be >= 1 and "
+                      "n_recent >= 0")
+
+
+register_section("reward", _check_reward)

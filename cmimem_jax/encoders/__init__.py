@@ -17,7 +17,7 @@ def make_encoder(config) -> Encoder:
     return HashingEncoder(dim=config.dim)
   if config.kind == "openai":
     from cmimem_jax.encoders.remote import OpenAIEncoder
-    from cmimem_jax.evaluation.client import EndpointConfig
+    from cmimem_jax.client import EndpointConfig
     return OpenAIEncoder(EndpointConfig.from_config(config.endpoint),
                          config.dim, config.get("query_prefix", ""))
   # Neural encoders pull in transformers/flax: import only when asked.

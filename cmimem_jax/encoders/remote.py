@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from cmimem_jax.encoders.base import EncodeKind
-from cmimem_jax.evaluation.client import EndpointConfig, OpenAIClient
+from cmimem_jax.client import EndpointConfig, OpenAIClient
 
 
 class OpenAIEncoder:

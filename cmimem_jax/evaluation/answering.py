@@ -18,7 +18,7 @@ import numpy as np
 
 from cmimem_jax.data.types import Dialogue, Question
 from cmimem_jax.encoders.base import Encoder
-from cmimem_jax.evaluation.client import CallResult, Messages
+from cmimem_jax.client import CallResult, ChatModel
 from cmimem_jax.memory.bank import MemoryBank, embed_texts
 from cmimem_jax.memory.prompt_builder import build_answer_prompt
 from cmimem_jax.memory.retrieval import Chunk, lookup_chunks
@@ -37,14 +37,6 @@ class ContextProvider(Protocol):
     ...
 
   def many(self, questions: Sequence[Question]) -> list[QAContext]:
-    ...
-
-
-class ChatModel(Protocol):
-  """Anything that answers chat conversations: `OpenAIClient` or
-  `LocalChatModel`."""
-
-  def chat_many(self, conversations: Sequence[Messages]) -> list[CallResult]:
     ...
 
 

@@ -10,7 +10,7 @@ import collections
 
 from cmimem_jax.data.types import Session
 from cmimem_jax.encoders.base import Encoder
-from cmimem_jax.evaluation.answering import ChatModel
+from cmimem_jax.client import ChatModel
 from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.builder import Responder
 from cmimem_jax.memory.dsl import LineError, ParsedResponse, parse

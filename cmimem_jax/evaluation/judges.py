@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 
 from cmimem_jax.data.types import Question
-from cmimem_jax.evaluation.client import CallResult, OpenAIClient
+from cmimem_jax.client import CallResult, OpenAIClient
 from cmimem_jax.evaluation.metrics import normalize_answer
 from cmimem_jax.memory.prompt_builder import build_judge_prompt
 

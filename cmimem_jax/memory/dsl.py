@@ -16,7 +16,8 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
-from cmimem_jax.memory.types import (ENTRY_TYPES, Action, MemoryType,
+from cmimem_jax.memory.types import (ALLOWED_ACTIONS, ENTRY_TYPES,
+                                     FIELD_COUNTS, Action, MemoryType,
                                      Operation, validate_operation)
 
 SEPARATOR = "|"
@@ -168,3 +169,39 @@ def render(operations: Iterable[Operation]) -> str:
     head = f"{op.memory_type.dsl_name}:{op.action.value}"
     lines.append(SEPARATOR.join((head,) + op.fields))
   return "\n".join(lines)
+
+
+# A DSL field: non-empty, no separator or line break, not starting with
+# blank space (so `field.strip()` is never empty). Unbounded on purpose:
+# bounded repeats blow up the token automaton (SPEC §3.3); lengths are
+# bounded by the sampler's token budget instead.
+_FIELD_REGEX = r"[^|\n\r\t ][^|\n\r]*"
+
+
+def response_regex() -> str:
+  """A regex whose every match parses as a valid response: one CORE line,
+  then per entry type (in Listing 6's order) writing lines or one SKIP,
+  each line ending in a newline.
+
+  Derived from `ALLOWED_ACTIONS` / `FIELD_COUNTS`; the input of
+  grammar-constrained decoding (`sampling.TokenConstraint`).
+  """
+  def line(memory_type: MemoryType, action: Action) -> str:
+    low, high = FIELD_COUNTS[action]
+    if action == Action.SKIP:
+      low = high = 0
+    fields = rf"\|{_FIELD_REGEX}" * low
+    if high is None:
+      fields += rf"(\|{_FIELD_REGEX})*"
+    return f"{memory_type.dsl_name}:{action.value}{fields}"
+
+  def writes(memory_type: MemoryType) -> str:
+    return "|".join(line(memory_type, a) for a in sorted(
+        ALLOWED_ACTIONS[memory_type], key=lambda a: a.value)
+                    if a != Action.SKIP)
+
+  parts = [rf"({writes(MemoryType.CORE)})\n"]
+  for memory_type in ENTRY_TYPES:
+    parts.append(rf"((({writes(memory_type)})\n)+|"
+                 rf"{line(memory_type, Action.SKIP)}\n)")
+  return "".join(parts)

@@ -1,19 +1,24 @@
-"""GRPO: log-probs, advantages, losses, the sharded train step, checkpoints
-and metrics."""
+"""The learner, knowing nothing of memories: chunked per-token log-probs,
+group advantages, the GRPO and SFT objectives over one sharded, jitted
+train step (`Learner`), Orbax checkpoints and metrics. Imports only
+`models`, `parallel` and `sampling`."""
 
 from cmimem_jax.rl.advantages import group_advantages
-from cmimem_jax.rl.batch import rollout_batch
-from cmimem_jax.rl.checkpoint import Checkpointer, Restored
-from cmimem_jax.rl.logprobs import token_logprobs
-from cmimem_jax.rl.losses import GRPOLossConfig, grpo_loss, k3_kl
+from cmimem_jax.rl.batch import rollout_batch, supervised_batch
+from cmimem_jax.rl.checkpoint import (Checkpointer, Restored,
+                                      load_model_weights)
+from cmimem_jax.rl.logprobs import recompute_logprobs, token_logprobs
+from cmimem_jax.rl.losses import (GRPOLossConfig, Objective, SFTLossConfig,
+                                  grpo_loss, k3_kl, sft_loss)
 from cmimem_jax.rl.metrics import MetricsWriter, read_metrics
-from cmimem_jax.rl.trainer import (BATCH_KEYS, GRPOTrainer, OptimizerConfig,
-                                   TrainStepConfig, accumulated_grads,
-                                   make_optimizer)
+from cmimem_jax.rl.trainer import (Learner, OptimizerConfig, TrainStepConfig,
+                                   accumulated_grads, make_optimizer)
 
 __all__ = [
-    "BATCH_KEYS", "Checkpointer", "GRPOLossConfig", "GRPOTrainer",
-    "MetricsWriter", "accumulated_grads", "OptimizerConfig", "Restored", "TrainStepConfig",
-    "group_advantages", "grpo_loss", "k3_kl", "make_optimizer",
-    "read_metrics", "rollout_batch", "token_logprobs",
+    "Checkpointer", "GRPOLossConfig", "Learner", "MetricsWriter", "Objective",
+    "OptimizerConfig", "Restored", "SFTLossConfig", "TrainStepConfig",
+    "accumulated_grads", "group_advantages", "grpo_loss", "k3_kl",
+    "load_model_weights",
+    "make_optimizer", "read_metrics", "recompute_logprobs", "rollout_batch",
+    "sft_loss", "supervised_batch", "token_logprobs",
 ]

@@ -1,14 +1,20 @@
-"""Training batches from sampler rollouts."""
+"""Training batches: sampler rollouts (GRPO) and prompt/response pairs
+(supervised warm start), both as left-padded prompt + right-padded
+completion rows."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from cmimem_jax.sampling.sampler import SampleOutput
+from cmimem_jax.sampling.constraint import TokenConstraint
+from cmimem_jax.sampling.sampler import SampleOutput, left_pad
 
 
 def rollout_batch(rollouts: SampleOutput, advantages: np.ndarray,
-                  token_weights: np.ndarray | None = None
+                  token_weights: np.ndarray | None = None,
+                  constraint: TokenConstraint | None = None
                   ) -> dict[str, np.ndarray]:
   """Prompt (left-padded) + completion (right-padded) rows for the trainer.
 
@@ -16,9 +22,13 @@ def rollout_batch(rollouts: SampleOutput, advantages: np.ndarray,
     rollouts: sampler output for B rows (prompt layout included).
     advantages: `[B]`.
     token_weights: `[B, R]` weights of the completion tokens (default 1).
+    constraint: the sampler's grammar constraint, if any: adds the
+      automaton state and token budget before every completion token
+      (`constraint_states` / `constraint_budgets`, `[B, P + R]`, -1 and 0
+      on the prompt), from which the learner rebuilds the sampler's mask.
 
   Returns:
-    The `BATCH_KEYS` arrays, `[B, P + R]` (advantages `[B]`); old
+    `GRPOLossConfig.batch_keys` arrays, `[B, P + R]` (advantages `[B]`); old
     log-probs are the sampler's.
   """
   b, r = rollouts.tokens.shape
@@ -29,7 +39,7 @@ def rollout_batch(rollouts: SampleOutput, advantages: np.ndarray,
     raise ValueError(f"token_weights must be {(b, r)}, got "
                      f"{token_weights.shape}")
   prompt_zeros = np.zeros(rollouts.prompt_tokens.shape, np.float32)
-  return {
+  batch = {
       "tokens": np.concatenate([rollouts.prompt_tokens, rollouts.tokens], 1),
       "mask": np.concatenate([rollouts.prompt_mask, completion], 1),
       "loss_mask": np.concatenate([prompt_zeros.astype(np.int32), completion],
@@ -40,4 +50,48 @@ def rollout_batch(rollouts: SampleOutput, advantages: np.ndarray,
       "token_weights": np.concatenate(
           [prompt_zeros, np.asarray(token_weights, np.float32) * completion],
           1),
+  }
+  if constraint is not None:
+    prompt_none = np.full(rollouts.prompt_tokens.shape, -1, np.int32)
+    batch["constraint_states"] = np.concatenate(
+        [prompt_none, constraint.states(rollouts.tokens, rollouts.lengths)], 1)
+    budgets = np.broadcast_to(r - np.arange(r, dtype=np.int32), (b, r))
+    batch["constraint_budgets"] = np.concatenate(
+        [np.zeros_like(prompt_none), budgets], 1)
+  return batch
+
+
+def supervised_batch(prompts: Sequence[Sequence[int]],
+                     responses: Sequence[Sequence[int]], prompt_length: int,
+                     response_length: int, pad_id: int
+                     ) -> dict[str, np.ndarray]:
+  """Teacher-forced rows for `SFTLossConfig`: the loss covers the response
+  tokens only (its EOS included when the caller appends one).
+
+  Args:
+    prompts / responses: token ids per row.
+    prompt_length / response_length: padded widths (fixed, so one compiled
+      step serves every batch).
+
+  Returns:
+    `SFTLossConfig.batch_keys` arrays, `[B, prompt_length + response_length]`.
+  """
+  if len(prompts) != len(responses):
+    raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
+  too_long = [i for i, r in enumerate(responses) if len(r) > response_length]
+  if too_long:
+    raise ValueError(f"responses {too_long} exceed {response_length} tokens")
+  prompt_tokens, prompt_mask = left_pad(prompts, prompt_length, pad_id)
+  tokens = np.full((len(responses), response_length), pad_id, np.int32)
+  completion = np.zeros((len(responses), response_length), np.int32)
+  for row, response in enumerate(responses):
+    tokens[row, :len(response)] = response
+    completion[row, :len(response)] = 1
+  zeros = np.zeros_like(prompt_mask)
+  return {
+      "tokens": np.concatenate([prompt_tokens, tokens], 1),
+      "mask": np.concatenate([prompt_mask, completion], 1),
+      "loss_mask": np.concatenate([zeros, completion], 1),
+      "token_weights": np.concatenate([zeros, completion], 1
+                                      ).astype(np.float32),
   }

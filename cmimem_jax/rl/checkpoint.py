@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
 
 
 @dataclasses.dataclass
@@ -90,5 +91,39 @@ class Checkpointer:
                          f"(tried {skipped})") from error
     return None
 
+  def restore_params(self, params: Any) -> tuple[int, Any]:
+    """The parameters alone from the newest checkpoint (a warm start:
+    another run's weights, whatever its optimizer), placed like the
+    templates.
+
+    Raises:
+      FileNotFoundError: if the directory holds no checkpoint.
+    """
+    self.wait()
+    steps = self.steps()
+    if not steps:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    to_abstract = lambda x: jax.ShapeDtypeStruct(  # noqa: E731
+        x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    target = {"params": jax.tree.map(to_abstract, params)}
+    out = self.manager.restore(steps[-1], args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(
+            target, restore_args=ocp.checkpoint_utils.construct_restore_args(
+                target), partial_restore=True)))
+    return steps[-1], out["state"]["params"]
+
   def close(self) -> None:
     self.manager.close()
+
+
+def load_model_weights(model: nnx.Module, workdir: str) -> int:
+  """Overwrites `model`'s parameters with the newest checkpoint under
+  `workdir/checkpoints` (a warm start from another run, whatever its
+  objective); returns that checkpoint's step."""
+  state = nnx.state(model, nnx.Param)
+  step, params = Checkpointer(os.path.join(workdir, "checkpoints")
+                              ).restore_params(nnx.to_pure_dict(state))
+  nnx.replace_by_pure_dict(state, params)
+  nnx.update(model, state)
+  logging.info("model weights from %s (step %d)", workdir, step)
+  return step

@@ -10,17 +10,29 @@ pass.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 
 from cmimem_jax.models.qwen3.model import Qwen3, positions_from_mask
 from cmimem_jax.parallel.partition import constrain
+from cmimem_jax.sampling.constraint import constrain_logits
+from cmimem_jax.sampling.sampler import SampleOutput
+
+# `(min_budget [S, V], states [B, T], budgets [B, T], eos_id)`: the
+# sampler's constraint seen by the learner (`TokenConstraint`); a state of
+# -1 leaves that position unconstrained.
+Constraint = tuple[jax.Array, jax.Array, jax.Array, int]
 
 
 def token_logprobs(model: Qwen3, tokens: jax.Array, mask: jax.Array, *,
                    temperature: float = 1.0, chunk: int = 256,
-                   start: int = 1, mesh: Mesh | None = None
+                   start: int = 1, mesh: Mesh | None = None,
+                   constraint: Constraint | None = None
                    ) -> tuple[jax.Array, jax.Array]:
   """Log-prob and entropy of each token given the tokens before it.
 
@@ -34,6 +46,9 @@ def token_logprobs(model: Qwen3, tokens: jax.Array, mask: jax.Array, *,
     start: first position whose log-prob is wanted (the completion's start:
       the LM head never runs over the prompt).
     mesh: when given, activations are constrained to the mesh's rules.
+    constraint: grammar-constrained decoding's mask (`Constraint`): the
+      log-probs and entropy are then under the masked distribution, as the
+      constrained sampler records them.
 
   Returns:
     `(logprobs [B, T], entropy [B, T])` float32; columns before `start`
@@ -52,18 +67,35 @@ def token_logprobs(model: Qwen3, tokens: jax.Array, mask: jax.Array, *,
   b, t = targets.shape
   chunk = max(1, min(chunk, t))
   pad = -t % chunk
-  hidden = jnp.pad(hidden, [(0, 0), (0, pad), (0, 0)])
-  targets = jnp.pad(targets, [(0, 0), (0, pad)])
   n = (t + pad) // chunk
-  hidden = hidden.reshape(b, n, chunk, -1).swapaxes(0, 1)
-  targets = targets.reshape(b, n, chunk).swapaxes(0, 1)
+
+  def chunked(x: jax.Array) -> jax.Array:
+    """`[B, t, ...]` -> `[n, B, chunk, ...]`."""
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+  # Without a constraint every position is unconstrained (state -1).
+  states = budgets = jnp.full((b, t), -1, jnp.int32)
+  if constraint is not None:
+    min_budget, states, budgets, eos_id = constraint
+    min_budget = jnp.asarray(min_budget)
+    states, budgets = states[:, start:], budgets[:, start:]
 
   def one_chunk(args):
-    h, target = args
-    logits = constrain(model.logits(h) * scale, mesh, "logits")
+    h, target, state, budget = args
+    logits = model.logits(h) * scale
+    if constraint is not None:
+      # An unconstrained position (-1) allows every token.
+      rows = jnp.where(state[..., None] >= 0,
+                       min_budget[jnp.maximum(state, 0)],
+                       jnp.iinfo(min_budget.dtype).min)
+      logits = constrain_logits(logits, rows, budget, eos_id)
+    logits = constrain(logits, mesh, "logits")
     logp = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
-    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    # `where`: masked tokens have p = 0 and logp = -inf.
+    entropy = -jnp.sum(jnp.where(logp > -jnp.inf, jnp.exp(logp) * logp, 0.0),
+                       axis=-1)
     return picked, entropy
 
   if n > 1:
@@ -71,8 +103,38 @@ def token_logprobs(model: Qwen3, tokens: jax.Array, mask: jax.Array, *,
     # them. With a single chunk that recomputation (an LM-head GEMM plus
     # the log-softmax: ~13 % of a SmolLM2 train step) saves no memory.
     one_chunk = jax.checkpoint(one_chunk)
-  picked, entropy = jax.lax.map(one_chunk, (hidden, targets))
+  picked, entropy = jax.lax.map(one_chunk, (
+      chunked(hidden), chunked(targets), chunked(states), chunked(budgets)))
   unchunk = lambda x: x.swapaxes(0, 1).reshape(b, -1)[:, :t]  # noqa: E731
   zero = jnp.zeros((b, start), jnp.float32)
   return (jnp.concatenate([zero, unchunk(picked)], axis=1),
           jnp.concatenate([zero, unchunk(entropy)], axis=1))
+
+
+@functools.partial(nnx.jit, static_argnames=("temperature", "chunk", "start"),
+                   graph=False)
+def _policy_logprobs(model: Qwen3, tokens: jax.Array, mask: jax.Array,
+                     temperature: float, chunk: int, start: int) -> jax.Array:
+  return token_logprobs(model, tokens, mask, temperature=temperature,
+                        chunk=chunk, start=start)[0]
+
+
+def recompute_logprobs(model: Qwen3, out: SampleOutput, temperature: float,
+                       chunk: int = 256) -> tuple[np.ndarray, float]:
+  """Old log-probs of `out`'s completions under the JAX policy (rollouts
+  from an engine whose log-probs the learner does not trust, e.g. vLLM),
+  and the mean |engine − JAX| gap over completion tokens (logged).
+
+  Returns:
+    `([B, R] float32 log-probs, 0 past each row's end), gap`.
+  """
+  prompt = out.prompt_tokens.shape[1]
+  tokens = np.concatenate([out.prompt_tokens, out.tokens], 1)
+  completion = (np.arange(out.tokens.shape[1])[None]
+                < out.lengths[:, None]).astype(np.int32)
+  mask = np.concatenate([out.prompt_mask, completion], 1)
+  logprobs = _policy_logprobs(model, tokens, mask, temperature, chunk, prompt)
+  ours = np.asarray(logprobs)[:, prompt:] * completion
+  gap = float(np.abs(ours - out.logprobs * completion).sum()
+              / max(completion.sum(), 1))
+  return ours.astype(np.float32), gap

@@ -1,4 +1,7 @@
-"""The GRPO learner: a sharded, jitted train step for any Flax causal LM.
+"""The learner: a sharded, jitted train step for any Flax causal LM, with
+the objective as configuration (`GRPOLossConfig` for RL rollouts,
+`SFTLossConfig` for the supervised warm start), as Tunix's RL and SFT
+trainers share one base.
 
 State is functional: `params` (a pure dict of arrays, split from the NNX
 model) and the optax state, both placed on the mesh by the partition rules
@@ -27,12 +30,7 @@ from cmimem_jax.parallel.partition import (QWEN3_RULES, Rules,
                                            optimizer_shardings,
                                            param_shardings, place_batch)
 from cmimem_jax.rl.logprobs import token_logprobs
-from cmimem_jax.rl.losses import GRPOLossConfig, grpo_loss
-
-# Per-row arrays of a training batch: tokens/mask/loss_mask/old_logprobs/
-# token_weights are `[B, T]`, advantages `[B]`.
-BATCH_KEYS = ("tokens", "mask", "loss_mask", "old_logprobs", "advantages",
-              "token_weights")
+from cmimem_jax.rl.losses import GRPOLossConfig, Objective
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +63,22 @@ def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
 
 @dataclasses.dataclass(frozen=True)
 class TrainStepConfig:
-  loss: GRPOLossConfig = GRPOLossConfig()
+  loss: Objective = GRPOLossConfig()
   optimizer: OptimizerConfig = OptimizerConfig()
   micro_batches: int = 1
   temperature: float = 1.0   # The sampler's; log-probs are scaled alike.
   logprob_chunk: int = 256
+  # Set when rollouts are grammar-constrained (`sampling.TokenConstraint`
+  # with this EOS id): log-probs are then taken under the sampler's mask,
+  # from the batch's `constraint_states` / `constraint_budgets`.
+  constraint_eos_id: int | None = None
+
+  @property
+  def batch_keys(self) -> tuple[str, ...]:
+    """The host arrays one step reads."""
+    extra = (() if self.constraint_eos_id is None else
+             ("constraint_states", "constraint_budgets"))
+    return self.loss.batch_keys + extra
 
 
 def _micro(x: jax.Array, k: int, mesh: Mesh) -> jax.Array:
@@ -82,28 +91,34 @@ def _micro(x: jax.Array, k: int, mesh: Mesh) -> jax.Array:
 
 def accumulated_grads(graphdef: nnx.GraphDef, config: TrainStepConfig,
                       mesh: Mesh, params: Any, batch: dict[str, jax.Array],
-                      ref_params: Any | None, start: int = 1
+                      ref_params: Any | None, start: int = 1,
+                      min_budget: jax.Array | None = None
                       ) -> tuple[Any, dict[str, jax.Array]]:
-  """Gradient of the global-batch GRPO loss, summed over
+  """Gradient of the global-batch loss (`config.loss`), summed over
   `config.micro_batches` scanned micro-batches, and the loss statistics.
-  `start`: first column any row's `loss_mask` covers (static)."""
+  `start`: first column any row's `loss_mask` covers (static).
+  `min_budget`: the constraint's `[S, V]` table when
+  `config.constraint_eos_id` is set."""
   k = config.micro_batches
   num_tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
   micro = {name: _micro(x, k, mesh) for name, x in batch.items()}
 
   def logprobs_of(p, mb):
+    constraint = None
+    if config.constraint_eos_id is not None:
+      constraint = (min_budget, mb["constraint_states"],
+                    mb["constraint_budgets"], config.constraint_eos_id)
     return token_logprobs(nnx.merge(graphdef, p), mb["tokens"], mb["mask"],
                           temperature=config.temperature,
-                          chunk=config.logprob_chunk, start=start, mesh=mesh)
+                          chunk=config.logprob_chunk, start=start, mesh=mesh,
+                          constraint=constraint)
 
   def loss_fn(p, mb):
     logprobs, entropy = logprobs_of(p, mb)
     ref = None
     if ref_params is not None:
       ref = jax.lax.stop_gradient(logprobs_of(ref_params, mb)[0])
-    return grpo_loss(logprobs, mb["old_logprobs"], mb["advantages"],
-                     mb["loss_mask"], mb["token_weights"], num_tokens,
-                     config.loss, ref_logprobs=ref, entropy=entropy)
+    return config.loss(logprobs, entropy, mb, num_tokens, ref)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -124,9 +139,9 @@ def accumulated_grads(graphdef: nnx.GraphDef, config: TrainStepConfig,
 def _train_step(graphdef: nnx.GraphDef, config: TrainStepConfig, mesh: Mesh,
                 optimizer: optax.GradientTransformation, start: int,
                 params: Any, opt_state: Any, batch: dict[str, jax.Array],
-                ref_params: Any | None):
+                ref_params: Any | None, min_budget: jax.Array | None):
   grads, stats = accumulated_grads(graphdef, config, mesh, params, batch,
-                                   ref_params, start)
+                                   ref_params, start, min_budget)
   updates, opt_state = optimizer.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
   stats = dict(stats, grad_norm=optax.tree.norm(grads),
@@ -140,31 +155,36 @@ def jit_train_step(graphdef: nnx.GraphDef, config: TrainStepConfig,
                    with_reference: bool):
   """The train step under `jax.jit` with explicit shardings and donated
   params / optimizer state:
-  `(start, params, opt_state, batch, ref_params) -> (params, opt_state,
-  stats)`, `start` static (the first completion column)."""
+  `(start, params, opt_state, batch, ref_params, min_budget) -> (params,
+  opt_state, stats)`, `start` static (the first completion column)."""
   replicated = NamedSharding(mesh, P())
   return jax.jit(
       functools.partial(_train_step, graphdef, config, mesh, optimizer),
       in_shardings=(param_shardings, opt_shardings, None,
-                    param_shardings if with_reference else None),
+                    param_shardings if with_reference else None, replicated),
       out_shardings=(param_shardings, opt_shardings, replicated),
       static_argnums=(0,), donate_argnums=(1, 2))
 
 
-class GRPOTrainer:
+class Learner:
   """Holds the sharded policy/optimizer state and the compiled step.
 
   Args:
     model: the policy (its current weights are the starting point).
-    config: loss, optimizer, micro-batching, temperature.
+    config: objective (GRPO or SFT), optimizer, micro-batching,
+      temperature.
     mesh: where everything lives (`parallel.make_mesh`).
     rules: partition rules for the model's parameters.
     reference: the frozen KL reference (default: a copy of `model`'s
-      initial weights); unused and never run when `kl_beta == 0`.
+      initial weights); unused and never run when the objective needs
+      none (`kl_beta == 0`, SFT).
+    min_budget: the sampler constraint's table (`TokenConstraint`, widened
+      to the model's vocabulary) when `config.constraint_eos_id` is set.
   """
 
   def __init__(self, model: Qwen3, config: TrainStepConfig, mesh: Mesh,
-               rules: Rules = QWEN3_RULES, reference: Qwen3 | None = None):
+               rules: Rules = QWEN3_RULES, reference: Qwen3 | None = None,
+               min_budget: np.ndarray | None = None):
     self.config, self.mesh = config, mesh
     self.graphdef, state = nnx.split(model, nnx.Param)
     abstract = jax.eval_shape(lambda: nnx.to_pure_dict(state))
@@ -177,12 +197,17 @@ class GRPOTrainer:
     self.opt_state = jax.jit(self.optimizer.init,
                              out_shardings=self.opt_shardings)(self.params)
     self.ref_params = None
-    if config.loss.kl_beta > 0:
+    if config.loss.uses_reference:
       source = self.params if reference is None else nnx.to_pure_dict(
           nnx.state(reference, nnx.Param))
       # A real copy: the policy's buffers are donated every step.
       self.ref_params = jax.tree.map(jnp.copy, jax.device_put(
           source, self.param_shardings))
+    if (min_budget is None) != (config.constraint_eos_id is None):
+      raise ValueError("a constrained learner needs both "
+                       "config.constraint_eos_id and min_budget")
+    self.min_budget = None if min_budget is None else jax.device_put(
+        min_budget, NamedSharding(mesh, P()))
     self._step = jit_train_step(self.graphdef, config, mesh, self.optimizer,
                                 self.param_shardings, self.opt_shardings,
                                 with_reference=self.ref_params is not None)
@@ -193,7 +218,7 @@ class GRPOTrainer:
     return nnx.merge(self.graphdef, self.params)
 
   def check_batch(self, batch: dict[str, np.ndarray]) -> None:
-    missing = [k for k in BATCH_KEYS if k not in batch]
+    missing = [k for k in self.config.batch_keys if k not in batch]
     if missing:
       raise ValueError(f"batch lacks {missing}")
     rows = batch["tokens"].shape[0]
@@ -207,20 +232,22 @@ class GRPOTrainer:
     """One optimizer step on a host batch; returns float metrics."""
     self.check_batch(batch)
     start = time.perf_counter()
-    placed = place_batch({k: batch[k] for k in BATCH_KEYS}, self.mesh)
+    placed = place_batch({k: batch[k] for k in self.config.batch_keys},
+                         self.mesh)
     # The LM head runs from the first completion column on (one compiled
     # step per prompt bucket).
     covered = np.flatnonzero(np.asarray(batch["loss_mask"]).any(axis=0))
     first_column = max(int(covered[0]) if covered.size else 1, 1)
     self.params, self.opt_state, stats = self._step(
-        first_column, self.params, self.opt_state, placed, self.ref_params)
+        first_column, self.params, self.opt_state, placed, self.ref_params,
+        self.min_budget)
     metrics = {k: float(v) for k, v in jax.device_get(stats).items()}
     seconds = time.perf_counter() - start
-    advantages = np.asarray(batch["advantages"], np.float64)
-    metrics.update(
-        step_time_s=seconds,
-        tokens_per_s=float(np.sum(batch["mask"])) / seconds,
-        advantage_mean=float(advantages.mean()),
-        advantage_std=float(advantages.std()),
-        advantage_abs_max=float(np.abs(advantages).max()))
+    metrics.update(step_time_s=seconds,
+                   tokens_per_s=float(np.sum(batch["mask"])) / seconds)
+    if "advantages" in batch:
+      advantages = np.asarray(batch["advantages"], np.float64)
+      metrics.update(advantage_mean=float(advantages.mean()),
+                     advantage_std=float(advantages.std()),
+                     advantage_abs_max=float(np.abs(advantages).max()))
     return metrics

@@ -1,7 +1,16 @@
-"""KV-cache sampling for rollouts and inference."""
+"""Generation engines behind one interface (`GenerationEngine`): the JAX
+KV-cache `Sampler` (default; optionally grammar-constrained by a
+`TokenConstraint`) and `VLLMEngine` (GPU fallback, optional import), and
+`ChatPolicy`, the chat-template wrapper that the training
+loop, evaluation and the server generate through."""
 
+from cmimem_jax.sampling.constraint import TokenConstraint
+from cmimem_jax.sampling.engine import GenerationEngine
+from cmimem_jax.sampling.policy import (ChatPolicy, encode_chat, load_policy,
+                                        load_tokenizer, special_ids)
 from cmimem_jax.sampling.sampler import (SampleOutput, Sampler, SamplingConfig,
                                          bucket_length, left_pad, sample_token)
 
-__all__ = ["SampleOutput", "Sampler", "SamplingConfig", "bucket_length",
-           "left_pad", "sample_token"]
+__all__ = ["ChatPolicy", "GenerationEngine", "SampleOutput", "Sampler",
+           "SamplingConfig", "bucket_length", "encode_chat", "left_pad", "load_policy",
+           "load_tokenizer", "sample_token", "special_ids", "TokenConstraint"]

@@ -6,7 +6,9 @@ KV cache that is donated to the jitted program. Each step samples with
 temperature and top-p (greedy at temperature 0) and records the log-prob of
 the sampled token under the full temperature-scaled distribution (what the
 GRPO trainer recomputes). Rows stop at EOS or a stop sequence; lengths are
-per row.
+per row. With a `TokenConstraint` (grammar-constrained decoding) each step
+masks the logits to the tokens the automaton allows within the remaining
+token budget, on device; the recorded log-probs are under that mask.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cmimem_jax.models.qwen3.model import KVCache, Qwen3, positions_from_mask
+from cmimem_jax.sampling.constraint import TokenConstraint, constrain_logits
 
 DEFAULT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -109,6 +112,7 @@ def sample_token(logits: jax.Array, key: jax.Array, temperature: float,
                    donate_argnames=("cache",), graph=False)
 def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
               cache: KVCache, key: jax.Array, stop_table: jax.Array,
+              constraint: tuple[jax.Array, jax.Array, jax.Array] | None,
               config: SamplingConfig, cache_length: int):
   batch, prompt_length = tokens.shape
   positions = positions_from_mask(mask)
@@ -130,18 +134,30 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
   out_logprobs = jnp.zeros((batch, config.max_new_tokens), jnp.float32)
   done = jnp.zeros((batch,), bool)
   lengths = jnp.zeros((batch,), jnp.int32)
+  # The automaton state of each row (unused without a constraint).
+  grammar = jnp.zeros((batch,), jnp.int32)
+  if constraint is not None:
+    grammar = grammar + constraint[2]
 
   def cond(state):
-    step, _, _, _, _, done, _, _, _ = state
+    step, _, _, _, _, done, _, _, _, _ = state
     return (step < config.max_new_tokens) & ~jnp.all(done)
 
   def body(state):
     (step, last_logits, cache, out_tokens, out_logprobs, done, lengths,
-     next_position, key) = state
+     next_position, key, grammar) = state
     key, sub = jax.random.split(key)
+    if constraint is not None:
+      next_table, budget_table, _ = constraint
+      last_logits = constrain_logits(
+          last_logits, budget_table[grammar],
+          jnp.broadcast_to(config.max_new_tokens - step, (batch,)),
+          jnp.asarray(config.eos_ids[0] if config.eos_ids else 0))
     token, logprob = sample_token(last_logits, sub, config.temperature,
                                   config.top_p)
     token = jnp.where(done, config.pad_id, token).astype(jnp.int32)
+    if constraint is not None:
+      grammar = jnp.where(done, grammar, next_table[grammar, token])
     out_tokens = out_tokens.at[:, step].set(token)
     out_logprobs = out_logprobs.at[:, step].set(jnp.where(done, 0.0, logprob))
     lengths = lengths + (~done).astype(jnp.int32)
@@ -153,12 +169,12 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
                           cache=cache, cache_index=prompt_length + step,
                           layers=layers)
     return (step + 1, logits[:, 0], cache, out_tokens, out_logprobs, new_done,
-            lengths, next_position + 1, key)
+            lengths, next_position + 1, key, grammar)
 
   state = (jnp.int32(0), last_logits, cache, out_tokens, out_logprobs, done,
-           lengths, next_position, key)
-  _, _, cache, out_tokens, out_logprobs, _, lengths, _, _ = jax.lax.while_loop(
-      cond, body, state)
+           lengths, next_position, key, grammar)
+  _, _, cache, out_tokens, out_logprobs, _, lengths, _, _, _ = (
+      jax.lax.while_loop(cond, body, state))
   if layers is not None:
     cache = cache.stacked()
   return out_tokens, out_logprobs, lengths, cache
@@ -189,9 +205,12 @@ class Sampler:
   def __init__(self, model: Qwen3, config: SamplingConfig = SamplingConfig(),
                buckets: Sequence[int] = DEFAULT_BUCKETS,
                stop_sequences: Sequence[Sequence[int]] = (),
-               mesh: Mesh | None = None):
+               mesh: Mesh | None = None,
+               constraint: TokenConstraint | None = None):
     """`mesh`: where the model's (sharded) parameters live; prompts, keys
-    and the KV cache are then placed on it too."""
+    and the KV cache are then placed on it too. `constraint`: every
+    completion is a match of its regex, then EOS (which must be the first
+    of `config.eos_ids`)."""
     self.model = model
     self._place = (lambda x: x) if mesh is None else functools.partial(
         jax.device_put, device=NamedSharding(mesh, PartitionSpec()))
@@ -202,12 +221,40 @@ class Sampler:
     for i, seq in enumerate(stop_sequences):
       table[i, width - len(seq):] = seq
     self.stop_table = self._place(jnp.asarray(table))
+    self.constraint = constraint
+    self._constraint_arrays = None
+    if constraint is not None:
+      if constraint.eos_id not in config.eos_ids[:1]:
+        raise ValueError(f"the constraint ends with token {constraint.eos_id};"
+                         f" the sampler's first EOS id is {config.eos_ids}")
+      next_state, min_budget = constraint.padded_tables(
+          model.config.vocab_size)
+      self._constraint_arrays = tuple(self._place(jnp.asarray(x)) for x in (
+          next_state, min_budget, np.int32(constraint.initial_state)))
     self._caches: dict[tuple[int, int], KVCache] = {}
+
+  def set_model(self, model: Qwen3) -> None:
+    """Samples from `model` from now on (same graph: no recompilation)."""
+    self.model = model
+
+  def generate(self, prompts: Sequence[Sequence[int]], key: jax.Array,
+               temperature: float, top_p: float, max_new_tokens: int
+               ) -> SampleOutput:
+    """`GenerationEngine.generate`: this sampler's EOS / pad ids with the
+    given sampling parameters."""
+    return self(prompts, key, dataclasses.replace(
+        self.config, temperature=temperature, top_p=top_p,
+        max_new_tokens=max_new_tokens))
 
   def __call__(self, prompts: Sequence[Sequence[int]], key: jax.Array,
                config: SamplingConfig | None = None) -> SampleOutput:
     """Generates for token-id prompts (any lengths; left-padded here)."""
     config = config or self.config
+    if self.constraint is not None and (
+        config.max_new_tokens < self.constraint.shortest):
+      raise ValueError(f"max_new_tokens={config.max_new_tokens} is shorter "
+                       f"than the constraint's shortest completion "
+                       f"({self.constraint.shortest} tokens)")
     length = bucket_length(max(len(p) for p in prompts), self.buckets)
     tokens, mask = left_pad(prompts, length, config.pad_id)
     cache_length = length + config.max_new_tokens
@@ -223,6 +270,6 @@ class Sampler:
     out_tokens, out_logprobs, lengths, self._caches[shape] = _generate(
         self.model, self._place(jnp.asarray(tokens)),
         self._place(jnp.asarray(mask)), cache, self._place(key),
-        self.stop_table, config, cache_length)
+        self.stop_table, self._constraint_arrays, config, cache_length)
     return SampleOutput(np.asarray(out_tokens), np.asarray(out_logprobs),
                         np.asarray(lengths), tokens, mask)

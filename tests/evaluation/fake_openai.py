@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler
 import numpy as np
 
 from cmimem_jax.evaluation.metrics import normalize_answer
-from cmimem_jax.serve import BackgroundServer
+from cmimem_jax.serving import BackgroundServer
 
 
 def reply_for(content: str) -> str:

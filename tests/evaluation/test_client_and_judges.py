@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from cmimem_jax.data.types import Question
-from cmimem_jax.evaluation.client import EndpointConfig, OpenAIClient
+from cmimem_jax.client import EndpointConfig, OpenAIClient
 from cmimem_jax.evaluation.judges import (LLMJudge, context_recall,
                                           longmemeval_prompt,
                                           parse_listing11_verdict,

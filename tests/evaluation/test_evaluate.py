@@ -8,7 +8,7 @@ import zlib
 import pytest
 
 from cmimem_jax.config import ConfigError, apply_overrides
-from cmimem_jax.evaluate import evaluate
+from cmimem_jax.evaluation.run import evaluate
 
 from fake_openai import FakeOpenAI  # noqa: I100
 

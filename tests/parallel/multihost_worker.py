@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from cmimem_jax.models.qwen3 import Qwen3, preset  # noqa: E402
-from cmimem_jax.rl import (GRPOLossConfig, GRPOTrainer,  # noqa: E402
+from cmimem_jax.rl import (GRPOLossConfig, Learner,  # noqa: E402
                            OptimizerConfig, TrainStepConfig)
 
 ROWS, LENGTH, VOCAB = 8, 12, 64
@@ -50,7 +50,7 @@ def global_batch() -> dict[str, np.ndarray]:
 
 
 mesh = make_mesh("fsdp:2,tensor:2")
-trainer = GRPOTrainer(
+trainer = Learner(
     Qwen3(preset("tiny", vocab_size=VOCAB), rngs=nnx.Rngs(0)),
     TrainStepConfig(loss=GRPOLossConfig(kl_beta=0.02),
                     optimizer=OptimizerConfig(learning_rate=1e-3)), mesh)

@@ -14,9 +14,10 @@ from jax.sharding import PartitionSpec as P
 
 from cmimem_jax.models.qwen3 import Qwen3, preset
 from cmimem_jax.parallel import make_mesh
-from cmimem_jax.rl import (Checkpointer, GRPOLossConfig, GRPOTrainer,
-                           OptimizerConfig, TrainStepConfig, accumulated_grads,
-                           group_advantages, rollout_batch, token_logprobs)
+from cmimem_jax.rl import (Checkpointer, GRPOLossConfig, Learner,
+                           OptimizerConfig, SFTLossConfig, TrainStepConfig,
+                           accumulated_grads, group_advantages, rollout_batch,
+                           supervised_batch, token_logprobs)
 from cmimem_jax.sampling import Sampler, SamplingConfig
 
 VOCAB = 64
@@ -126,8 +127,7 @@ def test_same_step_on_one_and_eight_devices():
   results = {}
   for name, mesh in (("one", one_device_mesh()),
                      ("eight", make_mesh("fsdp:4,tensor:2"))):
-    trainer = GRPOTrainer(tiny_model(), config(micro_batches=2, lr=4e-6),
-                          mesh)
+    trainer = Learner(tiny_model(), config(micro_batches=2, lr=4e-6), mesh)
     metrics = trainer.step(synthetic_batch(2))
     results[name] = (metrics, jax.device_get(trainer.params), trainer)
   one, eight = results["one"], results["eight"]
@@ -147,8 +147,8 @@ def test_same_step_on_one_and_eight_devices():
 
 
 def test_batch_validation_messages():
-  trainer = GRPOTrainer(tiny_model(), config(micro_batches=3),
-                        one_device_mesh())
+  trainer = Learner(tiny_model(), config(micro_batches=3),
+                    one_device_mesh())
   with pytest.raises(ValueError, match="3 micro-batches"):
     trainer.step(synthetic_batch(0))
   with pytest.raises(ValueError, match="lacks"):
@@ -160,12 +160,12 @@ def _train(trainer, steps):
 
 
 def test_resume_is_bit_exact_and_survives_a_corrupt_checkpoint(tmp_path):
-  straight = GRPOTrainer(tiny_model(), config(), one_device_mesh())
+  straight = Learner(tiny_model(), config(), one_device_mesh())
   _train(straight, range(4))
   want = jax.device_get(straight.params)
 
   key = jax.random.key(7)
-  first = GRPOTrainer(tiny_model(), config(), one_device_mesh())
+  first = Learner(tiny_model(), config(), one_device_mesh())
   ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2)
   for step in range(3):
     _train(first, [step])
@@ -178,8 +178,8 @@ def test_resume_is_bit_exact_and_survives_a_corrupt_checkpoint(tmp_path):
   # corrupt it and check the fallback), then continue with steps 2 and 3.
   # Different initial weights (the checkpoint must overwrite them); the KL
   # reference is the run's fixed initial policy, as a real resume reloads.
-  resumed = GRPOTrainer(tiny_model(seed=1), config(), one_device_mesh(),
-                        reference=tiny_model(seed=0))
+  resumed = Learner(tiny_model(seed=1), config(), one_device_mesh(),
+                    reference=tiny_model(seed=0))
   for path in glob.glob(str(tmp_path / "ckpt" / "3" / "state" / "**"),
                         recursive=True):
     if os.path.isfile(path):
@@ -200,7 +200,7 @@ def test_resume_is_bit_exact_and_survives_a_corrupt_checkpoint(tmp_path):
 
 
 def test_no_checkpoint_restores_none(tmp_path):
-  trainer = GRPOTrainer(tiny_model(), config(kl_beta=0.0), one_device_mesh())
+  trainer = Learner(tiny_model(), config(kl_beta=0.0), one_device_mesh())
   assert trainer.ref_params is None
   assert Checkpointer(str(tmp_path)).restore(
       trainer.params, trainer.opt_state, jax.random.key(0)) is None
@@ -210,7 +210,7 @@ def test_grpo_learns_to_emit_a_target_token():
   """Reward = fraction of completion tokens equal to TARGET: the mean
   reward must rise clearly within a few dozen steps."""
   target, groups, rollouts, steps = 5, 4, 8, 30
-  trainer = GRPOTrainer(
+  trainer = Learner(
       tiny_model(), TrainStepConfig(
           loss=GRPOLossConfig(kl_beta=0.0),
           optimizer=OptimizerConfig(learning_rate=3e-3),
@@ -234,3 +234,53 @@ def test_grpo_learns_to_emit_a_target_token():
   print(f"mean reward: first 3 steps {start:.3f}, last 3 steps {end:.3f}")
   assert start < 0.1
   assert end > 0.5, history
+
+
+def test_supervised_batch_covers_only_response_tokens():
+  batch = supervised_batch([[7, 8, 9], [4]], [[1, 2], [3, 5, 6]],
+                           prompt_length=4, response_length=3, pad_id=0)
+  np.testing.assert_array_equal(batch["tokens"], [[0, 7, 8, 9, 1, 2, 0],
+                                                  [0, 0, 0, 4, 3, 5, 6]])
+  np.testing.assert_array_equal(batch["mask"], [[0, 1, 1, 1, 1, 1, 0],
+                                                [0, 0, 0, 1, 1, 1, 1]])
+  np.testing.assert_array_equal(batch["loss_mask"], [[0, 0, 0, 0, 1, 1, 0],
+                                                     [0, 0, 0, 0, 1, 1, 1]])
+  np.testing.assert_array_equal(batch["token_weights"], batch["loss_mask"])
+  with pytest.raises(ValueError, match="exceed 2 tokens"):
+    supervised_batch([[1]], [[1, 2, 3]], 4, 2, 0)
+
+
+def test_sft_loss_is_the_response_nll_and_falls_on_a_fixed_batch():
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, VOCAB, n).tolist() for n in (3, 5, 2, 4)]
+  responses = [rng.integers(1, VOCAB, n).tolist() for n in (4, 2, 5, 3)]
+  batch = supervised_batch(prompts, responses, 6, 5, 0)
+  learner = Learner(tiny_model(), TrainStepConfig(
+      loss=SFTLossConfig(), optimizer=OptimizerConfig(learning_rate=3e-3),
+      micro_batches=2, logprob_chunk=4), one_device_mesh())
+  assert learner.ref_params is None  # SFT needs no reference model.
+  logp, _ = token_logprobs(learner.model, batch["tokens"], batch["mask"])
+  want = -np.sum(np.asarray(logp) * batch["loss_mask"]) / sum(
+      map(len, responses))
+  losses = [learner.step(batch)["loss"] for _ in range(12)]
+  assert losses[0] == pytest.approx(want, rel=1e-5)
+  assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_restore_params_takes_only_the_weights(tmp_path):
+  first = Learner(tiny_model(), config(), one_device_mesh())
+  _train(first, [0])
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  ckpt.save(1, first.params, first.opt_state, jax.random.key(0), {})
+  # Another objective and optimizer (no clipping: a different state tree).
+  other = Learner(tiny_model(seed=3), TrainStepConfig(
+      loss=SFTLossConfig(), optimizer=OptimizerConfig(grad_clip_norm=0.0)),
+                  one_device_mesh())
+  step, params = Checkpointer(str(tmp_path / "ckpt")).restore_params(
+      other.params)
+  assert step == 1
+  for a, b in zip(jax.tree.leaves(jax.device_get(first.params)),
+                  jax.tree.leaves(jax.device_get(params))):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(FileNotFoundError):
+    Checkpointer(str(tmp_path / "empty")).restore_params(other.params)

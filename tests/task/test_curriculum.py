@@ -2,7 +2,7 @@
 
 import pytest
 
-from cmimem_jax.rl.curriculum import Curriculum, SessionRef, difficulty
+from cmimem_jax.task.curriculum import Curriculum, SessionRef, difficulty
 
 
 def refs(n):

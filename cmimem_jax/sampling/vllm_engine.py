@@ -1,29 +1,26 @@
 """Rollouts through vLLM (SPEC §7, the paper's H20 setup): GPU only.
 
-`VLLMEngine.generate` has the sampler's signature and returns a
-`SampleOutput`, so the training loop swaps it in for `ChatPolicy.generate`
-(`rollout.engine = "vllm"`). Generation starts from our token ids with the
-same temperature / top-p / length; after every update the policy's weights
-go to vLLM as HF-named tensors (`push_weights`: in-process `load_weights`,
-or a saved HF checkpoint a separate server reloads). vLLM's log-probs are
-kept only to measure the sampler/trainer gap: the trainer's old log-probs
-are recomputed in JAX (`recompute_logprobs`).
+`VLLMEngine` is a `GenerationEngine`: it returns a `SampleOutput` like the
+JAX sampler, so a `ChatPolicy` drives either (`rollout.engine = "vllm"`).
+Generation starts from our token ids with the same temperature / top-p /
+length; after every update the policy's weights go to vLLM as HF-named
+tensors (`set_model` -> `push_weights`: in-process `load_weights`, or a
+saved HF checkpoint a separate server reloads). vLLM's log-probs are kept
+only to measure the sampler/trainer gap: the learner recomputes the old
+log-probs in JAX (`rl.recompute_logprobs`).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from cmimem_jax.models.qwen3.model import Qwen3
 from cmimem_jax.models.qwen3.params import hf_tensors, save_hf
-from cmimem_jax.rl.logprobs import token_logprobs
 from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
 
 INSTALL_HINT = ("rollout.engine='vllm' needs vLLM on a CUDA machine "
@@ -64,6 +61,11 @@ class VLLMEngine:
     self.buckets = tuple(buckets)
     self.llm = vllm.LLM(model=checkpoint, skip_tokenizer_init=True,
                         **llm_kwargs)
+    self.last_push: str | None = None  # How the last weights got there.
+
+  def set_model(self, model: Qwen3) -> None:
+    """`GenerationEngine.set_model`: pushes the weights to vLLM."""
+    self.last_push = self.push_weights(model)
 
   def push_weights(self, model: Qwen3) -> str:
     """Sends the current policy to vLLM; returns how ("load_weights" or
@@ -111,30 +113,6 @@ def sample_output(prompts: Sequence[list[int]], completions: Sequence[Any],
       value = entry[token]
       logprobs[row, i] = getattr(value, "logprob", value)
   return SampleOutput(tokens, logprobs, lengths, prompt_tokens, prompt_mask)
-
-
-@functools.partial(nnx.jit, static_argnames=("temperature", "chunk", "start"),
-                   graph=False)
-def _policy_logprobs(model: Qwen3, tokens: jax.Array, mask: jax.Array,
-                     temperature: float, chunk: int, start: int) -> jax.Array:
-  return token_logprobs(model, tokens, mask, temperature=temperature,
-                        chunk=chunk, start=start)[0]
-
-
-def recompute_logprobs(model: Qwen3, out: SampleOutput, temperature: float,
-                       chunk: int = 256) -> tuple[np.ndarray, float]:
-  """Old log-probs of `out`'s completions under the JAX policy, and the
-  mean |sampler − JAX| gap over completion tokens (logged)."""
-  prompt = out.prompt_tokens.shape[1]
-  tokens = np.concatenate([out.prompt_tokens, out.tokens], 1)
-  completion = (np.arange(out.tokens.shape[1])[None]
-                < out.lengths[:, None]).astype(np.int32)
-  mask = np.concatenate([out.prompt_mask, completion], 1)
-  logprobs = _policy_logprobs(model, tokens, mask, temperature, chunk, prompt)
-  ours = np.asarray(logprobs)[:, prompt:] * completion
-  gap = float(np.abs(ours - out.logprobs * completion).sum()
-              / max(completion.sum(), 1))
-  return ours.astype(np.float32), gap
 
 
 def checkpoint_dir(workdir: str) -> str:

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from cmimem_jax.encoders import make_encoder
-from cmimem_jax.evaluation.client import EndpointConfig, OpenAIClient
-from cmimem_jax.serve import Server
+from cmimem_jax.client import EndpointConfig, OpenAIClient
+from cmimem_jax.serving import Server
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def serve_config():

@@ -18,7 +18,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -57,6 +57,14 @@ class CallResult:
   @property
   def ok(self) -> bool:
     return self.error is None
+
+
+class ChatModel(Protocol):
+  """Anything that answers chat conversations: `OpenAIClient` or our Flax
+  policy (`sampling.ChatPolicy`)."""
+
+  def chat_many(self, conversations: Sequence[Messages]) -> list[CallResult]:
+    ...
 
 
 class FailureLog:

@@ -9,10 +9,10 @@ import pytest
 from flax import nnx
 
 from cmimem_jax.models.qwen3 import Qwen3, load_hf, preset
-from cmimem_jax.rl.vllm_engine import (INSTALL_HINT, VLLMEngine,
-                                       recompute_logprobs, sample_output,
-                                       vllm_weights)
+from cmimem_jax.rl import recompute_logprobs
 from cmimem_jax.sampling import Sampler, SamplingConfig
+from cmimem_jax.sampling.vllm_engine import (INSTALL_HINT, VLLMEngine,
+                                             sample_output, vllm_weights)
 
 torch = pytest.importorskip("torch")
 

@@ -1,0 +1,272 @@
+"""Scores a memory method on LongMemEval, LoCoMo or MemoryAgentBench (the
+body of `python -m cmimem_jax.evaluate`).
+
+Per dialogue: build the method's context provider (utterance RAG, or a
+memory bank built by the policy / the JSON agents, cached under
+`DIR/banks/`), retrieve a context for every question (Alg. 2), answer it
+(unless the judge is `context_recall`, which needs no answer), judge, and
+append one JSON record per question to `DIR/predictions.jsonl`. A rerun
+skips questions already scored (failed judgements are retried).
+`DIR/results.json` holds overall / per-category / task-averaged scores,
+`n` and `failures` (judgements that could not be made, never scored).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+from typing import Any
+
+from absl import logging
+from tqdm import tqdm
+
+from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
+from cmimem_jax.config import register_section, validate_config
+from cmimem_jax.data import Dialogue, Question, load_dataset
+from cmimem_jax.encoders import Encoder, make_encoder
+from cmimem_jax.evaluation.answering import (MemoryContext, QAContext, TurnRAG,
+                                             answer_many)
+from cmimem_jax.evaluation.builders import agents_responder, policy_responder
+from cmimem_jax.evaluation.judges import LLMJudge, context_recall
+from cmimem_jax.evaluation.metrics import (aggregate, best_over_golds,
+                                           locomo_f1, recall_at_k,
+                                           rouge_l_f1, substring_exact_match,
+                                           token_f1)
+from cmimem_jax.memory.bank import MemoryBank
+from cmimem_jax.memory.builder import build_bank
+from cmimem_jax.memory.dsl import response_regex
+
+
+METHODS = ("rag", "prompting", "policy")
+JUDGES = ("context_recall", "llm")
+MODEL_KINDS = ("none", "endpoint", "local")
+
+
+def _check_evaluation(c) -> None:
+  c.check("method", lambda v: v in METHODS, f"one of {METHODS}")
+  c.check("limit", lambda v: isinstance(v, int) and v >= 0, "an int >= 0")
+  c.check("judge.kind", lambda v: v in JUDGES, f"one of {JUDGES}")
+  c.check("judge.prompt", lambda v: v in ("listing11", "longmemeval"),
+          "listing11 or longmemeval")
+  c.check("answer.kind", lambda v: v in MODEL_KINDS, f"one of {MODEL_KINDS}")
+  c.check("builder.kind", lambda v: v in MODEL_KINDS[1:],
+          "endpoint or local")
+  for section in ("answer", "builder"):
+    c.check(f"{section}.constrained_dsl", lambda v: isinstance(v, bool),
+            "True or False")
+  c.check("rag_top_k", lambda v: isinstance(v, int) and v > 0,
+          "a positive integer")
+  if c.get("judge.kind") == "llm" and c.get("answer.kind") == "none":
+    c.problems.append("judge.kind=llm needs an answer model: set "
+                      "answer.kind to endpoint or local")
+  for section in ("judge", "answer", "builder"):
+    if c.get(f"{section}.kind") == "endpoint" or (
+        section == "judge" and c.get("judge.kind") == "llm"):
+      try:
+        EndpointConfig.from_config(c.get(f"{section}.endpoint"))
+      except (TypeError, ValueError, AttributeError) as e:
+        c.problems.append(f"{section}.endpoint: {e}")
+
+
+register_section("judge", _check_evaluation)
+
+
+def make_chat_model(section: Any, constraint_regex: str | None = None
+                    ) -> ChatModel:
+  """An answer/builder model from its config section; a local model
+  decodes matches of `constraint_regex` only, when given."""
+  if section.kind == "endpoint":
+    return OpenAIClient(EndpointConfig.from_config(section.endpoint))
+  # The Flax model pulls in the model stack: import only when asked.
+  from cmimem_jax.models.qwen3 import load_gguf, load_hf
+  from cmimem_jax.models.qwen3.params import smollm2_gguf_path
+  from cmimem_jax.rl import load_model_weights
+  from cmimem_jax.sampling import ChatPolicy, TokenConstraint, load_tokenizer
+  path = section.path or smollm2_gguf_path()
+  model = load_hf(path) if os.path.isdir(path) else load_gguf(path)
+  if section.init_checkpoint:  # E.g. a `train` or `sft` workdir.
+    load_model_weights(model, section.init_checkpoint)
+  tokenizer = load_tokenizer(path)
+  constraint = (None if constraint_regex is None else
+                TokenConstraint.from_regex(constraint_regex, tokenizer))
+  return ChatPolicy.jax(
+      model, tokenizer,
+      model.config.max_position_embeddings - section.max_new_tokens,
+      constraint=constraint, max_new_tokens=section.max_new_tokens)
+
+
+def context_provider(dialogue: Dialogue, encoder: Encoder, config,
+                     workdir: str, builder: ChatModel | None,
+                     failures: collections.Counter):
+  if config.method == "rag":
+    return TurnRAG(dialogue, encoder, config.rag_top_k)
+  directory = os.path.join(workdir, "banks", config.method,
+                           dialogue.dialogue_id)
+  if os.path.exists(os.path.join(directory, "CURRENT")):
+    bank = MemoryBank.load(directory)
+  else:
+    make = {"policy": policy_responder, "prompting": agents_responder}
+    respond = make[config.method](builder, encoder,
+                                  config.memory.build_top_k,
+                                  failures=failures)
+    bank, stats, _ = build_bank(dialogue, encoder, respond, config.memory)
+    logging.info("%s: built %d entries %s", dialogue.dialogue_id, len(bank),
+                 stats)
+    failures["invalid_build_responses"] += stats.get("invalid_responses", 0)
+    bank.save(directory)
+  return MemoryContext(bank, dialogue, encoder, config.memory.qa_top_k,
+                       config.memory.chunk_budget_chars)
+
+
+def text_metrics(dataset: str, question: Question, prediction: str
+                 ) -> dict[str, float]:
+  """The benchmark's own string metrics for an answer."""
+  golds = question.all_answers or (question.answer,)
+  if dataset == "locomo":
+    return {"f1": locomo_f1(prediction, question.answer, question.category)}
+  if dataset == "memoryagentbench":
+    return {
+        "substring_exact_match": best_over_golds(substring_exact_match,
+                                                 prediction, golds),
+        "f1": best_over_golds(token_f1, prediction, golds),
+        "rouge_l_f1": best_over_golds(rouge_l_f1, prediction, golds)}
+  return {}
+
+
+def score_dialogue(dialogue: Dialogue, questions: list[Question],
+                   provider, config, answerer: ChatModel | None,
+                   judge: LLMJudge | None) -> list[dict]:
+  contexts: list[QAContext] = provider.many(questions)
+  predictions: list[str | None] = [None] * len(questions)
+  answer_errors: list[str | None] = [None] * len(questions)
+  if answerer is not None:
+    for i, result in enumerate(answer_many(answerer, contexts)):
+      predictions[i], answer_errors[i] = result.text, result.error
+  records = []
+  verdicts: list[tuple[float | None, str]] = []
+  if config.judge.kind == "llm":
+    answered = [i for i, p in enumerate(predictions) if p is not None]
+    judged = judge.judge_many([questions[i] for i in answered],
+                              [predictions[i] for i in answered])
+    verdict_of = dict(zip(answered, judged))
+    verdicts = [verdict_of.get(i, (None, f"no answer: {answer_errors[i]}"))
+                for i in range(len(questions))]
+  for i, (question, context) in enumerate(zip(questions, contexts)):
+    recall = context_recall(question, context.context)
+    if config.judge.kind == "llm":
+      score, judge_note = verdicts[i]
+    else:
+      score, judge_note = recall, ""
+    record = {
+        "question_id": question.question_id,
+        "dialogue_id": dialogue.dialogue_id, "category": question.category,
+        "question": question.question, "gold": question.answer,
+        "prediction": predictions[i], "score": score,
+        "context_recall": recall,
+        "retrieved": list(context.retrieved)}
+    if score is None:
+      record["error"] = judge_note
+    if question.evidence:
+      record["evidence_recall"] = recall_at_k(
+          list(context.turns), question.evidence, len(context.turns) or 1)
+    if predictions[i] is not None:
+      record.update(text_metrics(config.dataset.name, question,
+                                 predictions[i]))
+    records.append(record)
+  return records
+
+
+def read_records(path: str) -> dict[str, dict]:
+  """Last record per question id (reruns append)."""
+  records = {}
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        if line.strip():
+          record = json.loads(line)
+          records[record["question_id"]] = record
+  return records
+
+
+def summarize(records: list[dict], config, failures: dict) -> dict:
+  excluded = ("adversarial",) if config.dataset.name == "locomo" else ()
+  summary = aggregate(records)
+  result = {
+      "dataset": config.dataset.name, "method": config.method,
+      "judge": config.judge.kind, **summary}
+  if excluded:
+    result["without_adversarial"] = aggregate(
+        records, exclude_from_overall=excluded)["overall"]
+  for metric in ("f1", "evidence_recall", "context_recall",
+                 "substring_exact_match", "rouge_l_f1"):
+    scored = [r for r in records if r.get(metric) is not None]
+    if scored:
+      result[metric] = aggregate(scored, score_key=metric,
+                                 exclude_from_overall=excluded)
+  result["call_failures"] = failures
+  return result
+
+
+def evaluate(config, workdir: str) -> dict:
+  """Runs (or resumes) an evaluation; returns what it writes to
+  `results.json`."""
+  validate_config(config, required=("dataset", "encoder", "memory", "judge",
+                                    "answer", "builder"))
+  os.makedirs(workdir, exist_ok=True)
+  dialogues = load_dataset(config.dataset.name, config.dataset.path)
+  dialogues = dialogues[config.dataset.get("start", 0):]
+  if config.dataset.dialogues:
+    dialogues = dialogues[:config.dataset.dialogues]
+  selected = [(d, q) for d in dialogues for q in d.questions]
+  if config.limit:
+    selected = selected[:config.limit]
+  path = os.path.join(workdir, "predictions.jsonl")
+  done = {qid for qid, r in read_records(path).items()
+          if r.get("score") is not None}
+  pending: dict[str, list[Question]] = collections.defaultdict(list)
+  for dialogue, question in selected:
+    if question.question_id not in done:
+      pending[dialogue.dialogue_id].append(question)
+  encoder = make_encoder(config.encoder)
+  answerer = (None if config.judge.kind == "context_recall"
+              or config.answer.kind == "none"
+              else make_chat_model(config.answer))
+  builder = None
+  if config.method != "rag" and any(pending.values()):
+    constrained = (config.method == "policy" and config.builder.kind == "local"
+                   and config.builder.constrained_dsl)
+    builder = make_chat_model(config.builder,
+                              response_regex() if constrained else None)
+  judge = None
+  if config.judge.kind == "llm":
+    judge = LLMJudge(OpenAIClient(EndpointConfig.from_config(
+        config.judge.endpoint)), config.judge.prompt)
+  failures: collections.Counter[str] = collections.Counter()
+  start = time.perf_counter()
+  with open(path, "a", encoding="utf-8") as out, tqdm(
+      total=len(selected), initial=len(selected) - sum(
+          len(v) for v in pending.values()), desc="questions",
+      disable=None) as bar:
+    for dialogue in dialogues:
+      questions = pending.get(dialogue.dialogue_id)
+      if not questions:
+        continue
+      provider = context_provider(dialogue, encoder, config, workdir, builder,
+                                  failures)
+      for record in score_dialogue(dialogue, questions, provider, config,
+                                   answerer, judge):
+        out.write(json.dumps(record) + "\n")
+        bar.update(1)
+      out.flush()
+  wanted = {q.question_id for _, q in selected}
+  records = [r for qid, r in read_records(path).items() if qid in wanted]
+  calls = {name: model.failures.as_dict() for name, model in
+           (("answer", answerer), ("builder", builder),
+            ("judge", judge and judge.client)) if hasattr(model, "failures")}
+  result = summarize(records, config, {"build": dict(failures), **calls})
+  result["seconds"] = round(time.perf_counter() - start, 2)
+  with open(os.path.join(workdir, "results.json"), "w") as f:
+    json.dump(result, f, indent=1)
+  return result

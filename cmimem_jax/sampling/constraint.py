@@ -1,0 +1,199 @@
+"""Grammar-constrained decoding as device arrays (SPEC §3.3).
+
+`outlines-core` compiles a regex against the tokenizer's vocabulary into a
+token-level automaton; here it becomes two dense tables that the jitted
+decode loop and the learner index without any host round trip:
+
+- `next_state [S, V] int32`: the state after emitting token v in state s,
+  -1 where v is not allowed;
+- `min_budget [S, V] int16`: the fewest tokens (v itself included) that
+  finish a match after emitting v in state s — `_NEVER` where v is not
+  allowed.
+
+A token is allowed at a step with `budget` tokens left (the current one
+included) iff `min_budget[state, token] <= budget`: the automaton bounds
+the *form* and the budget bounds the *length*, so every row ends in a
+complete match (then EOS) within `max_new_tokens` whenever the initial
+state can finish at all. The sampler records log-probs under exactly this
+mask, and the learner (`rl.token_logprobs(..., constraint=...)`) applies
+the same mask from the per-token states and budgets, so the GRPO ratio
+compares like with like.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_NEVER = np.iinfo(np.int16).max
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+  """GPT-2 byte-level BPE: the printable character standing for each byte
+  (the inverse of the map byte-level tokenizers write their vocab in)."""
+  printable = (list(range(ord("!"), ord("~") + 1))
+               + list(range(ord("¡"), ord("¬") + 1))
+               + list(range(ord("®"), ord("ÿ") + 1)))
+  chars, extra = list(printable), 0
+  for byte in range(256):
+    if byte not in printable:
+      printable.append(byte)
+      chars.append(256 + extra)
+      extra += 1
+  return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def token_bytes(tokenizer: Any) -> dict[bytes, list[int]]:
+  """`{bytes: [token ids]}` of a byte-level BPE tokenizer's non-special
+  tokens (what `outlines_core.Vocabulary` takes).
+
+  Raises:
+    ValueError: for a tokenizer whose vocabulary is not byte-level (a
+      SentencePiece vocabulary needs its own conversion).
+  """
+  decoder = _byte_decoder()
+  special = set(tokenizer.all_special_ids)
+  out: dict[bytes, list[int]] = collections.defaultdict(list)
+  for token, token_id in tokenizer.get_vocab().items():
+    if token_id in special:
+      continue
+    try:
+      out[bytes(decoder[c] for c in token)].append(token_id)
+    except KeyError as e:
+      raise ValueError(f"token {token!r} is not byte-level BPE; constrained "
+                       "decoding supports byte-level vocabularies") from e
+  return dict(out)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenConstraint:
+  """A regex as a token automaton with length budgets (see module doc).
+
+  Attributes:
+    next_state: `[S, V]` int32 host table (-1: not allowed).
+    min_budget: `[S, V]` int16 host table (`_NEVER`: not allowed).
+    initial_state: the state before the first token.
+    eos_id: the token that ends a complete match.
+  """
+  next_state: np.ndarray
+  min_budget: np.ndarray
+  initial_state: int
+  eos_id: int
+
+  @classmethod
+  def from_regex(cls, regex: str, tokenizer: Any) -> TokenConstraint:
+    """Compiles `regex` over `tokenizer`'s vocabulary (outlines-core)."""
+    from outlines_core import Index, Vocabulary
+    eos = int(tokenizer.eos_token_id)
+    index = Index(regex, Vocabulary(eos, token_bytes(tokenizer)))
+    transitions = index.get_transitions()
+    states = sorted(transitions)
+    row = {s: i for i, s in enumerate(states)}
+    vocab = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
+    next_state = np.full((len(states), vocab), -1, np.int32)
+    final = {row[s] for s in index.get_final_states()}
+    for state, moves in transitions.items():
+      for token, target in moves.items():
+        # EOS is only a way out of a final state, never a transition.
+        if token != eos:
+          next_state[row[state], token] = row[target]
+    for state in final:
+      next_state[state, eos] = state
+    return cls(next_state, _min_budgets(next_state, final, eos),
+               row[index.get_initial_state()], eos)
+
+  @property
+  def shortest(self) -> int:
+    """Tokens in the shortest complete completion (EOS included)."""
+    return int(self.min_budget[self.initial_state].min())
+
+  def padded_tables(self, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tables widened to a model's vocabulary (extra ids never
+    allowed).
+
+    Raises:
+      ValueError: if the model's vocabulary is smaller than the tokenizer's.
+    """
+    extra = vocab_size - self.next_state.shape[1]
+    if extra < 0:
+      raise ValueError(f"model vocabulary {vocab_size} < tokenizer "
+                       f"vocabulary {self.next_state.shape[1]}")
+    return (np.pad(self.next_state, [(0, 0), (0, extra)], constant_values=-1),
+            np.pad(self.min_budget, [(0, 0), (0, extra)],
+                   constant_values=_NEVER))
+
+  def states(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """`[B, R]` state before each generated token (-1 past a row's end).
+
+    Raises:
+      ValueError: if a row holds a token the automaton does not allow
+        (the rollout did not come from this constraint).
+    """
+    out = np.full(tokens.shape, -1, np.int32)
+    for row in range(tokens.shape[0]):
+      state = self.initial_state
+      for col in range(int(lengths[row])):
+        out[row, col] = state
+        state = int(self.next_state[state, tokens[row, col]])
+        if state < 0:
+          raise ValueError(f"row {row} token {col} "
+                           f"({int(tokens[row, col])}) is outside the "
+                           "constraint")
+    return out
+
+
+def _min_budgets(next_state: np.ndarray, final: set[int], eos: int
+                 ) -> np.ndarray:
+  """`min_budget[s, v]` = 1 + fewest tokens from `next_state[s, v]` to a
+  finished match, where finishing from a final state costs one (EOS)."""
+  num_states = next_state.shape[0]
+  allowed = next_state >= 0
+  allowed[:, eos] = False
+  # Breadth-first from the final states over the reversed state graph
+  # (hundreds of states; the token dimension only matters per edge set).
+  predecessors: dict[int, set[int]] = collections.defaultdict(set)
+  for state in range(num_states):
+    for target in np.unique(next_state[state, allowed[state]]):
+      predecessors[int(target)].add(state)
+  finish = np.full(num_states, _NEVER, np.int64)
+  frontier = sorted(final)
+  finish[frontier] = 1
+  while frontier:
+    reached = []
+    for target in frontier:
+      for state in predecessors[target]:
+        if finish[state] == _NEVER:
+          finish[state] = finish[target] + 1
+          reached.append(state)
+    frontier = reached
+  targets = np.where(allowed, next_state, 0)
+  budget = np.where(allowed, finish[targets] + 1, _NEVER)
+  budget[:, eos] = np.where(next_state[:, eos] >= 0, 1, _NEVER)
+  return np.minimum(budget, _NEVER).astype(np.int16)
+
+
+def constrain_logits(logits: jax.Array, min_budget_rows: jax.Array,
+                     budget: jax.Array, eos_id: jax.Array) -> jax.Array:
+  """Sets disallowed tokens' logits to -inf.
+
+  Args:
+    logits: `[..., V]` float32.
+    min_budget_rows: `[..., V]` the `min_budget` rows of the current states.
+    budget: `[...]` tokens left, the current one included.
+    eos_id: where a row with no allowed token may go (only when the budget
+      cannot finish the match: the row then ends, and fails to parse).
+
+  Returns:
+    `[..., V]` float32 logits.
+  """
+  allowed = min_budget_rows <= budget[..., None].astype(min_budget_rows.dtype)
+  stuck = ~jnp.any(allowed, axis=-1, keepdims=True)
+  allowed = allowed | (stuck & (jnp.arange(logits.shape[-1]) == eos_id))
+  return jnp.where(allowed, logits, -jnp.inf)

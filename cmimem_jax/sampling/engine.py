@@ -1,0 +1,34 @@
+"""The one interface every generation engine implements.
+
+The training loop, evaluation and the server generate through a
+`ChatPolicy` (chat template in, text out), which drives an engine: the JAX
+`Sampler` (default, any platform) or `VLLMEngine` (GPU fallback). An engine
+takes token-id prompts and returns a `SampleOutput` in the sampler's layout
+(left-padded prompts, right-padded completions, per-token log-probs), so
+everything downstream — GRPO batches, decoding, the server — is the same
+whichever engine produced it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import jax
+
+from cmimem_jax.models.qwen3.model import Qwen3
+from cmimem_jax.sampling.sampler import SampleOutput
+
+
+class GenerationEngine(Protocol):
+  """Token ids in, sampled completions out."""
+
+  def generate(self, prompts: Sequence[Sequence[int]], key: jax.Array,
+               temperature: float, top_p: float, max_new_tokens: int
+               ) -> SampleOutput:
+    """Samples one completion per prompt (`temperature` 0: greedy)."""
+    ...
+
+  def set_model(self, model: Qwen3) -> None:
+    """Generates from `model`'s weights from now on (after an update)."""
+    ...

@@ -1,0 +1,155 @@
+"""The chat policy: model + tokenizer from the config, chat-template
+prompts -> completions through a `GenerationEngine`, and the `ChatModel`
+interface (`chat_many`) that evaluation and the server use."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from cmimem_jax.client import CallResult, Messages
+from cmimem_jax.models.qwen3 import (Qwen3, Qwen3Config, load_gguf, load_hf,
+                                     preset)
+from cmimem_jax.models.qwen3.params import (load_gguf_tokenizer,
+                                            smollm2_gguf_path)
+from cmimem_jax.sampling.constraint import TokenConstraint
+from cmimem_jax.sampling.engine import GenerationEngine
+from cmimem_jax.sampling.sampler import (DEFAULT_BUCKETS, SampleOutput,
+                                         Sampler, SamplingConfig)
+
+
+def load_tokenizer(path: str) -> Any:
+  """A HF tokenizer (with chat template) from a GGUF file or an HF
+  directory; "" = the embedded SmolLM2-135M-Instruct GGUF."""
+  path = path or smollm2_gguf_path()
+  if path.endswith(".gguf"):
+    return load_gguf_tokenizer(path)
+  from transformers import AutoTokenizer
+  return AutoTokenizer.from_pretrained(path)
+
+
+def load_policy(section: Any, vocab_size: int) -> Qwen3:
+  """The policy from the `policy` config section.
+
+  source "random": the `preset` architecture with random weights (vocab
+  sized to the tokenizer); "gguf": a llama.cpp file ("" = the embedded
+  SmolLM2); "hf": a HF checkpoint directory.
+  """
+  runtime = dict(dtype=section.dtype, param_dtype=section.param_dtype,
+                 remat=section.remat)
+  if section.source == "random":
+    config = preset(section.preset, vocab_size=vocab_size,
+                    max_position_embeddings=section.max_position_embeddings,
+                    **runtime)
+    return Qwen3(config, rngs=nnx.Rngs(section.seed))
+  if section.source == "gguf":
+    return load_gguf(section.path or smollm2_gguf_path(), **runtime)
+  if section.source == "hf":
+    return load_hf(section.path, Qwen3Config.from_pretrained(section.path,
+                                                             **runtime))
+  raise ValueError(f"unknown policy.source {section.source!r}")
+
+
+def encode_chat(tokenizer: Any, messages: Messages) -> list[int]:
+  """The chat-template prompt ids of `messages`, ready for the assistant's
+  turn."""
+  ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                      tokenize=True)
+  if hasattr(ids, "keys"):  # A BatchEncoding.
+    ids = ids["input_ids"]
+  return list(ids)
+
+
+def special_ids(tokenizer: Any) -> tuple[tuple[int, ...], int]:
+  """`(eos_ids, pad_id)` of a tokenizer, as every engine needs them."""
+  eos = tokenizer.eos_token_id
+  return (() if eos is None else (int(eos),)), int(tokenizer.pad_token_id or 0)
+
+
+class ChatPolicy:
+  """Chat-template prompts -> completions with any `GenerationEngine`.
+
+  Args:
+    engine: generates from token ids (`ChatPolicy.jax` builds the JAX
+      sampler over a Flax model).
+    tokenizer: a `transformers` tokenizer with a chat template.
+    max_prompt_tokens: longer prompts are an error, never truncated.
+    max_new_tokens / batch_size / seed: what `chat_many` (the `ChatModel`
+      interface: greedy answers) generates, conversations per engine call,
+      and its sampling key.
+  """
+
+  def __init__(self, engine: GenerationEngine, tokenizer: Any,
+               max_prompt_tokens: int, max_new_tokens: int = 256,
+               batch_size: int = 8, seed: int = 0):
+    self.engine, self.tokenizer = engine, tokenizer
+    self.max_prompt_tokens = max_prompt_tokens
+    self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
+    self.eos_ids, self.pad_id = special_ids(tokenizer)
+    self._key = jax.random.key(seed)
+
+  @classmethod
+  def jax(cls, model: Qwen3, tokenizer: Any, max_prompt_tokens: int,
+          buckets: Sequence[int] = DEFAULT_BUCKETS, mesh: Mesh | None = None,
+          constraint: TokenConstraint | None = None,
+          **kwargs: Any) -> ChatPolicy:
+    """A policy generating with the JAX `Sampler` over `model` (every
+    completion a match of `constraint`, if given)."""
+    eos_ids, pad_id = special_ids(tokenizer)
+    sampler = Sampler(model, SamplingConfig(eos_ids=eos_ids, pad_id=pad_id),
+                      buckets=buckets, mesh=mesh, constraint=constraint)
+    return cls(sampler, tokenizer, max_prompt_tokens, **kwargs)
+
+  def set_model(self, model: Qwen3) -> None:
+    """Generates from the latest weights (the JAX sampler keeps its
+    compiled programs; vLLM receives the weights)."""
+    self.engine.set_model(model)
+
+  def encode(self, messages: Messages) -> list[int]:
+    ids = encode_chat(self.tokenizer, messages)
+    if len(ids) > self.max_prompt_tokens:
+      raise ValueError(
+          f"policy prompt of {len(ids)} tokens exceeds "
+          f"rollout.max_prompt_tokens={self.max_prompt_tokens}")
+    return list(ids)
+
+  def decode(self, tokens: Sequence[int]) -> str:
+    return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+  def completion_tokens(self, out: SampleOutput, row: int) -> list[int]:
+    """The completion without its trailing EOS (what the text is)."""
+    tokens = out.tokens[row, :out.lengths[row]].tolist()
+    if tokens and tokens[-1] in self.eos_ids:
+      tokens = tokens[:-1]
+    return tokens
+
+  def generate(self, prompts: Sequence[list[int]], key: jax.Array,
+               temperature: float, top_p: float, max_new_tokens: int
+               ) -> SampleOutput:
+    return self.engine.generate(prompts, key, temperature, top_p,
+                                max_new_tokens)
+
+  def respond(self, conversations: Sequence[Messages], max_new_tokens: int
+              ) -> list[str]:
+    """Greedy responses in one engine call (snapshots, before/after
+    demos)."""
+    out = self.generate([self.encode(m) for m in conversations],
+                        jax.random.key(0), 0.0, 1.0, max_new_tokens)
+    return [self.decode(self.completion_tokens(out, i))
+            for i in range(len(conversations))]
+
+  def chat_many(self, conversations: Sequence[Messages]) -> list[CallResult]:
+    """`ChatModel`: greedy answers, `batch_size` conversations per call."""
+    results = []
+    for start in range(0, len(conversations), self.batch_size):
+      batch = [self.encode(m) for m in
+               conversations[start:start + self.batch_size]]
+      self._key, key = jax.random.split(self._key)
+      out = self.generate(batch, key, 0.0, 1.0, self.max_new_tokens)
+      results += [CallResult(self.decode(tokens))
+                  for tokens in out.completions()]
+    return results

@@ -1,0 +1,26 @@
+"""Supervised warm start on teacher trajectories: the work is
+`task.warm_start.run_sft`.
+
+  python -m cmimem_jax.sft --config=configs/small_repro.py --workdir=DIR
+
+Then `python -m cmimem_jax.train ... --config.policy.init_checkpoint=DIR`.
+"""
+
+from absl import app, flags
+
+from cmimem_jax.config import define_command_line_flags
+from cmimem_jax.rl import read_metrics
+from cmimem_jax.task.warm_start import run_sft, summary_text
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  if not flags.FLAGS.workdir:
+    raise app.UsageError("--workdir is required")
+  run_sft(flags.FLAGS.config, flags.FLAGS.workdir)
+  print(summary_text(read_metrics(flags.FLAGS.workdir)))
+
+
+if __name__ == "__main__":
+  define_command_line_flags()
+  app.run(main)

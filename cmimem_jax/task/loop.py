@@ -1,0 +1,395 @@
+"""The CMI-Mem training loop: what one GRPO step of CMI-Mem does (SPEC §5;
+paper §3.4, Alg. 1, Table 7).
+
+Each step: a curriculum batch of sessions (Eq. 14) -> the policy prompt of
+each (Listings 6-7, top-k retrieved memories from its snapshot M_{t-1})
+-> N sampled DSL responses per session -> parse -> apply to a copy of the
+state -> CMI terms (one batched kernel call) + QA reward (`context_recall`
+or an LLM judge) -> composite reward, validity gate, attribution token
+weights -> group advantages -> one sharded GRPO update (`rl.Learner`).
+Every reward term is logged per step to `DIR/metrics.jsonl` (and
+TensorBoard).
+
+Snapshots M_{t-1} are built by the initial policy (greedy), cached under
+`DIR/snapshots/v<N>/`, and rebuilt by the current policy every
+`rl.snapshot_refresh_epochs` epochs. Checkpoints (params, optimizer, RNG,
+step = curriculum position, snapshot version) go to `DIR/checkpoints/`;
+a rerun with the same DIR resumes from the newest readable one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from cmimem_jax.client import EndpointConfig, OpenAIClient
+from cmimem_jax.cmi.reward import RewardComputer, RewardConfig
+from cmimem_jax.config import register_section, validate_config
+from cmimem_jax.data import Dialogue, load_dataset
+from cmimem_jax.encoders import make_encoder
+from cmimem_jax.evaluation.judges import LLMJudge
+from cmimem_jax.memory.dsl import response_regex
+from cmimem_jax.models.qwen3.params import save_hf
+from cmimem_jax.parallel import (initialize_distributed, make_mesh,
+                                 parse_mesh_shape, resolve_mesh_shape)
+from cmimem_jax.rl import (Checkpointer, GRPOLossConfig, Learner,
+                           MetricsWriter, OptimizerConfig, TrainStepConfig,
+                           group_advantages, load_model_weights, read_metrics,
+                           recompute_logprobs,
+                           rollout_batch)
+from cmimem_jax.sampling import (ChatPolicy, TokenConstraint, load_policy,
+                                 load_tokenizer, special_ids)
+from cmimem_jax.sampling.vllm_engine import (VLLMEngine, checkpoint_dir,
+                                             import_vllm)
+from cmimem_jax.task.curriculum import Curriculum, SessionRef, difficulty
+from cmimem_jax.task.episode import (Episode, attribution_weights,
+                                     policy_messages, score_rollouts,
+                                     session_questions)
+from cmimem_jax.task.qa_reward import QAReward
+from cmimem_jax.task.snapshots import (build_snapshots, load_snapshots,
+                                       save_snapshots)
+
+
+def _check_training(c) -> None:
+  c.check("rollout.engine", lambda v: v in ("jax", "vllm"), "jax or vllm")
+  c.check("rollout.constrained_dsl", lambda v: isinstance(v, bool),
+          "True or False")
+  if c.get("rollout.constrained_dsl") is True and (
+      c.get("rollout.engine") == "vllm"):
+    c.problems.append("rollout.constrained_dsl needs rollout.engine='jax' "
+                      "(the constraint runs inside the JAX decode loop)")
+  c.check("rollout.num_rollouts", lambda v: isinstance(v, int) and v >= 2,
+          "an int >= 2 (GRPO compares rollouts within a group)")
+  c.check("rollout.temperature", lambda v: v >= 0, ">= 0")
+  c.check("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+  for name in ("max_new_tokens", "max_prompt_tokens"):
+    c.check(f"rollout.{name}", lambda v: isinstance(v, int) and v > 0,
+            "a positive integer")
+  c.check("rl.sessions_per_batch", lambda v: isinstance(v, int) and v > 0,
+          "a positive integer")
+  c.check("rl.micro_batches", lambda v: isinstance(v, int) and v > 0,
+          "a positive integer")
+  c.check("rl.curriculum_tiers", lambda v: isinstance(v, int) and v > 0,
+          "a positive integer")
+  c.check("qa.judge", lambda v: v in ("context_recall", "llm"),
+          "context_recall or llm")
+  c.check("policy.source", lambda v: v in ("random", "gguf", "hf"),
+          "random, gguf or hf")
+  try:
+    loss = GRPOLossConfig(c.get("rl.epsilon_low"), c.get("rl.epsilon_high"),
+                          c.get("rl.kl_beta"))
+    del loss
+  except (TypeError, ValueError) as e:
+    c.problems.append(f"rl: {e}")
+  rollouts, sessions = c.get("rollout.num_rollouts"), c.get(
+      "rl.sessions_per_batch")
+  micro, tiers = c.get("rl.micro_batches"), c.get("rl.curriculum_tiers")
+  if all(isinstance(v, int) and v > 0
+         for v in (rollouts, sessions, micro, tiers)):
+    rows = rollouts * sessions
+    if sessions < tiers:
+      c.problems.append(f"rl.sessions_per_batch={sessions} must be >= "
+                        f"rl.curriculum_tiers={tiers} (every batch draws "
+                        "from every tier)")
+    try:
+      mesh = resolve_mesh_shape(parse_mesh_shape(c.get("mesh")),
+                                len(jax.devices()))
+      shards = mesh["data"] * mesh["fsdp"]
+      if rows % (micro * shards):
+        c.problems.append(
+            f"rollout rows {sessions} sessions x {rollouts} rollouts = {rows}"
+            f" must divide into rl.micro_batches={micro} x {shards} data "
+            f"shards of mesh {c.get('mesh')!r}")
+    except (ValueError, AttributeError) as e:
+      c.problems.append(f"mesh: {e}")
+
+
+register_section("rl", _check_training)
+
+
+def _training_sessions(dialogues: list[Dialogue], weights) -> list[SessionRef]:
+  refs = []
+  for d, dialogue in enumerate(dialogues):
+    for session in dialogue.sessions:
+      questions = session_questions(dialogue, session)
+      if questions:  # Sessions without QA pairs give no QA reward.
+        refs.append(SessionRef(d, session.index, difficulty(
+            session.index, len(session.turns), len(questions), weights)))
+  return refs
+
+
+def _qa_reward(config, encoder) -> QAReward:
+  answerer = judge = None
+  if config.qa.judge == "llm":
+    answerer = OpenAIClient(EndpointConfig.from_config(config.qa.answer))
+    judge = LLMJudge(OpenAIClient(EndpointConfig.from_config(
+        config.qa.judge_endpoint)), config.qa.prompt)
+  return QAReward(encoder, config.qa.judge, config.qa.top_k,
+                  config.memory.chunk_budget_chars, answerer, judge)
+
+
+def _mean_terms(terms) -> dict[str, float]:
+  sums: dict[str, list[float]] = collections.defaultdict(list)
+  for t in terms:
+    for name, value in t.scalars().items():
+      sums[name].append(value)
+  return {f"reward/{k}": float(np.mean(v)) for k, v in sums.items()}
+
+
+class Trainer:
+  """The CMI-Mem training loop around the GRPO `Learner`; rollouts come
+  from `self.policy` (a `ChatPolicy` over the JAX sampler or vLLM)."""
+
+  def __init__(self, config, workdir: str):
+    validate_config(config, required=("dataset", "encoder", "memory",
+                                      "reward", "policy", "rollout", "rl",
+                                      "qa"))
+    if config.rollout.engine == "vllm":
+      import_vllm()  # Fails fast, with the install hint, where it is absent.
+    initialize_distributed()
+    self.config, self.workdir = config, workdir
+    os.makedirs(workdir, exist_ok=True)
+    self.mesh = make_mesh(config.mesh)
+    dialogues = load_dataset(config.dataset.name, config.dataset.path)
+    self.dialogues = dialogues[:config.dataset.dialogues or None]
+    self.encoder = make_encoder(config.encoder)
+    tokenizer = load_tokenizer(config.policy.tokenizer)
+    model = load_policy(config.policy, len(tokenizer))
+    if config.policy.init_checkpoint:  # The KL reference starts here too.
+      load_model_weights(model, config.policy.init_checkpoint)
+    needed = config.rollout.max_prompt_tokens + config.rollout.max_new_tokens
+    if needed > model.config.max_position_embeddings:
+      raise ValueError(
+          f"rollout.max_prompt_tokens + max_new_tokens = {needed} exceeds the "
+          f"policy's max_position_embeddings "
+          f"{model.config.max_position_embeddings}")
+    rl = config.rl
+    self.group = config.rollout.num_rollouts
+    # Grammar-constrained rollouts: every response is valid DSL, and the
+    # learner takes its log-probs under the same mask.
+    self.constraint = (TokenConstraint.from_regex(response_regex(), tokenizer)
+                       if config.rollout.constrained_dsl else None)
+    min_budget = None
+    if self.constraint is not None:
+      min_budget = self.constraint.padded_tables(model.config.vocab_size)[1]
+    self.learner = Learner(model, TrainStepConfig(
+        loss=GRPOLossConfig(rl.epsilon_low, rl.epsilon_high, rl.kl_beta),
+        optimizer=OptimizerConfig(
+            learning_rate=rl.learning_rate, warmup_steps=rl.warmup_steps,
+            weight_decay=rl.weight_decay, grad_clip_norm=rl.grad_clip_norm),
+        micro_batches=rl.micro_batches,
+        temperature=config.rollout.temperature,
+        logprob_chunk=rl.logprob_chunk,
+        constraint_eos_id=(None if self.constraint is None
+                           else self.constraint.eos_id)),
+                           self.mesh, min_budget=min_budget)
+    buckets = tuple(config.rollout.buckets)
+    if config.rollout.engine == "vllm":
+      directory = checkpoint_dir(workdir)
+      save_hf(self.learner.model, directory)
+      eos_ids, pad_id = special_ids(tokenizer)
+      self.policy = ChatPolicy(
+          VLLMEngine(directory, eos_ids, pad_id, buckets,
+                     **dict(config.rollout.get("vllm", {}))),
+          tokenizer, config.rollout.max_prompt_tokens)
+    else:
+      self.policy = ChatPolicy.jax(self.learner.model, tokenizer,
+                                   config.rollout.max_prompt_tokens, buckets,
+                                   self.mesh, constraint=self.constraint)
+    self.curriculum = Curriculum(
+        _training_sessions(self.dialogues, tuple(rl.curriculum_weights)),
+        rl.sessions_per_batch, rl.curriculum_tiers)
+    self.total_steps = rl.max_steps or (
+        rl.epochs * self.curriculum.steps_per_epoch)
+    self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
+                                     config.checkpoint.keep,
+                                     config.checkpoint.async_save)
+    self.key = jax.random.key(config.seed)
+    self.loop = {"step": 0, "snapshot_version": 0, "snapshot_epoch": 0}
+    restored = self.checkpointer.restore(self.learner.params,
+                                         self.learner.opt_state, self.key)
+    if restored is not None:
+      self.learner.params = restored.params
+      self.learner.opt_state = restored.opt_state
+      self.key, self.loop = restored.rng, restored.loop_state
+      self.policy.set_model(self.learner.model)
+      logging.info("resumed from step %d (skipped unreadable: %s)",
+                   restored.step, restored.skipped)
+    self.resumed_from = None if restored is None else restored.step
+    self.reward = RewardComputer(self.encoder,
+                                 RewardConfig.from_config(config.reward))
+    self.qa = _qa_reward(config, self.encoder)
+    self.snapshots = self._snapshots(self.loop["snapshot_version"])
+
+  # -- snapshots -------------------------------------------------------------
+
+  def _respond(self, conversations):
+    return self.policy.respond(conversations,
+                               self.config.rollout.max_new_tokens)
+
+  def _snapshots(self, version: int):
+    directory = os.path.join(self.workdir, "snapshots", f"v{version}")
+    banks = load_snapshots(directory, self.dialogues)
+    if banks is None:
+      start = time.perf_counter()
+      banks = build_snapshots(self.dialogues, self._respond, self.encoder,
+                              self.config.memory,
+                              self.config.rollout.retrieval_top_k)
+      save_snapshots(directory, banks)
+      logging.info("built snapshots v%d in %.1f s", version,
+                   time.perf_counter() - start)
+    return banks
+
+  def episode(self, ref: SessionRef) -> Episode:
+    dialogue = self.dialogues[ref.dialogue]
+    session = dialogue.sessions[ref.session]
+    return Episode(dialogue, session, self.snapshots[ref.dialogue][ref.session],
+                   session_questions(dialogue, session))
+
+  def greedy_response(self, ref: SessionRef) -> str:
+    episode = self.episode(ref)
+    return self._respond([policy_messages(
+        episode.bank, episode.session, self.encoder,
+        self.config.rollout.retrieval_top_k)])[0]
+
+  # -- one step --------------------------------------------------------------
+
+  def step(self) -> dict[str, Any]:
+    step = self.loop["step"]
+    epoch = self.curriculum.epoch(step)
+    refresh = self.config.rl.snapshot_refresh_epochs
+    if refresh and epoch > 0 and epoch % refresh == 0 and (
+        self.loop["snapshot_epoch"] != epoch):
+      self.loop["snapshot_version"] += 1
+      self.loop["snapshot_epoch"] = epoch
+      self.snapshots = self._snapshots(self.loop["snapshot_version"])
+    start = time.perf_counter()
+    refs = self.curriculum.batch(step)
+    episodes = [self.episode(r) for r in refs]
+    top_k = self.config.rollout.retrieval_top_k
+    prompts = [self.policy.encode(policy_messages(e.bank, e.session,
+                                                  self.encoder, top_k))
+               for e in episodes]
+    rows = [p for p in prompts for _ in range(self.group)]
+    self.key, key = jax.random.split(self.key)
+    rollout = self.config.rollout
+    out = self.policy.generate(rows, key, rollout.temperature, rollout.top_p,
+                               rollout.max_new_tokens)
+    sampler_gap = None
+    if isinstance(self.policy.engine, VLLMEngine):
+      # The learner's old log-probs are its own, not vLLM's.
+      old, sampler_gap = recompute_logprobs(self.learner.model, out,
+                                            rollout.temperature,
+                                            self.config.rl.logprob_chunk)
+      out = dataclasses.replace(out, logprobs=old)
+    sample_s = time.perf_counter() - start
+    completions = [self.policy.completion_tokens(out, i)
+                   for i in range(len(rows))]
+    texts = [self.policy.decode(c) for c in completions]
+    start = time.perf_counter()
+    failures_before = sum(self.qa.failures.values())
+    _, terms = score_rollouts(episodes, texts, self.group, self.encoder,
+                              self.config.memory, self.qa, self.reward)
+    reward_s = time.perf_counter() - start
+    rewards = np.array([t.reward for t in terms])
+    valid = np.array([t.valid for t in terms])
+    advantages = group_advantages(rewards, valid,
+                                  self.group)
+    width = out.tokens.shape[1]
+    weights = np.stack([attribution_weights(t, self.policy.decode, c, width)
+                        for t, c in zip(terms, completions)])
+    metrics = self.learner.step(rollout_batch(out, advantages, weights,
+                                              self.constraint))
+    self.policy.set_model(self.learner.model)
+    if sampler_gap is not None:
+      metrics["vllm_weight_push"] = self.policy.engine.last_push
+      metrics["sampler_trainer_logprob_gap"] = sampler_gap
+    metrics.update(_mean_terms(terms))
+    metrics.update(
+        epoch=epoch, snapshot_version=self.loop["snapshot_version"],
+        reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
+        # Within-group spread: what GRPO's advantages are made of.
+        reward_group_std=float(rewards.reshape(-1, self.group).std(1).mean()),
+        validity_rate=float(valid.mean()),
+        response_tokens_mean=float(np.mean(out.lengths)),
+        qa_failures=sum(self.qa.failures.values()) - failures_before,
+        sample_s=sample_s, reward_s=reward_s,
+        sessions=[f"{self.dialogues[r.dialogue].dialogue_id}/{r.session}"
+                  for r in refs])
+    self.loop["step"] = step + 1
+    return metrics
+
+  def run(self) -> list[dict[str, Any]]:
+    """Trains to `total_steps`, checkpointing; returns this run's metrics."""
+    writer = MetricsWriter(self.workdir, self.total_steps,
+                           tensorboard=self.config.tensorboard)
+    every = self.config.checkpoint.every_steps
+    history = []
+    try:
+      while self.loop["step"] < self.total_steps:
+        metrics = self.step()
+        step = self.loop["step"]
+        writer.write(step, metrics)
+        history.append(metrics)
+        logging.info("step %d: reward %.4f valid %.2f loss %.4g (%.1f s)",
+                     step, metrics["reward_mean"], metrics["validity_rate"],
+                     metrics["loss"], metrics["step_time_s"])
+        if step % every == 0 or step == self.total_steps:
+          self.checkpointer.save(step, self.learner.params,
+                                 self.learner.opt_state, self.key,
+                                 dict(self.loop))
+    finally:
+      self.checkpointer.wait()
+      writer.close()
+    return history
+
+
+def summary_text(history: list[dict[str, Any]], before: str, after: str,
+                 session: str) -> str:
+  """The demo's human-readable report."""
+  terms = ("reward_mean", "reward/cmi", "reward/qa", "reward/length_factor",
+           "validity_rate", "loss")
+  lines = ["", "=== CMI-Mem training summary ===",
+           "step  " + "  ".join(f"{t:>20}" for t in terms)]
+  for m in history:
+    lines.append(f"{m['step']:4d}  " + "  ".join(
+        f"{m.get(t, float('nan')):20.4f}" for t in terms))
+  lines += [f"\n--- session {session}: operations before training ---",
+            before.strip() or "(empty response)",
+            f"--- session {session}: operations after training ---",
+            after.strip() or "(empty response)"]
+  return "\n".join(lines)
+
+
+
+
+def train(config, workdir: str) -> str:
+  """Trains (or resumes) in `workdir`; returns the human-readable report:
+  the reward curve by term over every step so far, one session's memory
+  operations before vs after training, and a JSON line of run facts."""
+  start = time.perf_counter()
+  loop = Trainer(config, workdir)
+  demo_ref = loop.curriculum.batch(0)[0]
+  demo_session = (f"{loop.dialogues[demo_ref.dialogue].dialogue_id}/"
+                  f"{demo_ref.session}")
+  before_path = os.path.join(workdir, "demo_before.txt")
+  if not os.path.exists(before_path):  # The initial policy's response.
+    with open(before_path, "w") as f:
+      f.write(loop.greedy_response(demo_ref))
+  loop.run()
+  after = loop.greedy_response(demo_ref)
+  history = read_metrics(workdir)  # Every step, resumed runs too.
+  with open(before_path) as f:
+    before = f.read()
+  facts = json.dumps({"steps": loop.loop["step"],
+                      "resumed_from": loop.resumed_from,
+                      "wall_s": round(time.perf_counter() - start, 1)})
+  return summary_text(history, before, after, demo_session) + "\n" + facts

@@ -1,0 +1,233 @@
+"""Supervised warm start (SFT) for policies too small to follow the DSL.
+
+Teacher trajectories are (policy prompt, DSL response) pairs: the prompt
+is exactly what the RL policy sees for a session (Listings 6-7 over the
+bank built so far, `episode.policy_messages`), the response a valid DSL
+answer — from LoCoMo's own annotations (`annotation_trajectories`) or any
+chat model (`teacher_trajectories`; invalid answers are rejected and
+counted, never trained on). Responses are written canonically (types in
+Listing 6's order, one operation per line, a trailing newline), the form
+grammar-constrained decoding produces.
+
+`run_sft` trains on them with the same sharded `rl.Learner` step as GRPO
+(`SFTLossConfig`: NLL of the response tokens only), the same
+checkpoints and metrics; `policy.init_checkpoint=DIR` starts GRPO from
+the result (`rl.load_model_weights`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from cmimem_jax.client import ChatModel
+from cmimem_jax.config import register_section, validate_config
+from cmimem_jax.data.types import Dialogue
+from cmimem_jax.encoders.base import Encoder
+from cmimem_jax.evaluation.builders import policy_responder
+from cmimem_jax.memory.builder import Responder, build_bank
+from cmimem_jax.memory.dsl import ParsedResponse, render
+from cmimem_jax.memory.types import MemoryType
+from cmimem_jax.parallel import batch_divisor, make_mesh
+from cmimem_jax.rl import (Checkpointer, Learner, MetricsWriter,
+                           OptimizerConfig, SFTLossConfig, TrainStepConfig,
+                           supervised_batch)
+from cmimem_jax.sampling import (bucket_length, encode_chat, load_policy,
+                                 load_tokenizer)
+from cmimem_jax.task.build_memory import annotation_responder
+from cmimem_jax.task.episode import policy_messages
+
+_TYPE_ORDER = {t: i for i, t in enumerate(MemoryType)}
+
+
+def canonical_response(response: ParsedResponse) -> str:
+  """A valid response rewritten in the grammar's form: CORE, EPISODIC,
+  SEMANTIC, PROCEDURAL lines (each type's lines in their order), a
+  newline after every line."""
+  operations = sorted(response.operations,
+                      key=lambda op: _TYPE_ORDER[op.memory_type])
+  return render(operations) + "\n"
+
+
+def trajectories(dialogue: Dialogue, encoder: Encoder, respond: Responder,
+                 memory: Any, top_k: int, source: str
+                 ) -> tuple[list[dict[str, Any]], int]:
+  """Runs `respond` through `dialogue`'s sessions (each response applied
+  to the bank the next session sees).
+
+  Returns:
+    The JSONL records of the valid responses, and how many were rejected.
+  """
+  _, _, steps = build_bank(dialogue, encoder, respond, memory)
+  records = [{"dialogue_id": dialogue.dialogue_id,
+              "session_index": step.session.index, "source": source,
+              "messages": policy_messages(step.bank_before, step.session,
+                                          encoder, top_k),
+              "response": canonical_response(step.response)}
+             for step in steps if step.response.valid]
+  return records, len(steps) - len(records)
+
+
+def annotation_trajectories(dialogues: Iterable[Dialogue], encoder: Encoder,
+                            memory: Any, top_k: int
+                            ) -> tuple[list[dict[str, Any]], int]:
+  """Teacher = LoCoMo's observation / event_summary annotations."""
+  records, rejected = [], 0
+  for dialogue in dialogues:
+    out, bad = trajectories(dialogue, encoder, annotation_responder(dialogue),
+                            memory, top_k, "annotations")
+    records += out
+    rejected += bad
+  return records, rejected
+
+
+def teacher_trajectories(dialogues: Iterable[Dialogue], encoder: Encoder,
+                         chat: ChatModel, memory: Any, top_k: int,
+                         name: str) -> tuple[list[dict[str, Any]], int]:
+  """Teacher = any chat model answering the policy prompt."""
+  records, rejected = [], 0
+  for dialogue in dialogues:
+    out, bad = trajectories(dialogue, encoder,
+                            policy_responder(chat, encoder, top_k), memory,
+                            top_k, f"teacher:{name}")
+    records += out
+    rejected += bad
+  return records, rejected
+
+
+def write_jsonl(path: str, records: Sequence[dict[str, Any]]) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    for record in records:
+      f.write(json.dumps(record) + "\n")
+
+
+def _check_sft(c) -> None:
+  for name in ("batch_size", "micro_batches", "epochs",
+               "max_prompt_tokens", "max_response_tokens"):
+    c.check(f"sft.{name}", lambda v: isinstance(v, int) and v > 0,
+            "a positive integer")
+  c.check("sft.max_steps", lambda v: isinstance(v, int) and v >= 0,
+          "an int >= 0 (0: epochs decide)")
+  c.check("sft.learning_rate", lambda v: v > 0, "> 0")
+  c.check("sft.buckets", lambda v: len(v) > 0 and all(
+      isinstance(b, int) and b > 0 for b in v), "positive prompt lengths")
+  buckets, longest = c.get("sft.buckets"), c.get("sft.max_prompt_tokens")
+  if isinstance(longest, int) and isinstance(buckets, (tuple, list)) and (
+      buckets and max(buckets) < longest):
+    c.problems.append(f"sft.buckets {tuple(buckets)} must reach "
+                      f"sft.max_prompt_tokens={longest}")
+  c.check("sft.data", lambda v: isinstance(v, str) and os.path.isfile(v),
+          "an existing JSONL file (tools/make_sft_data.py writes one)")
+
+
+register_section("sft", _check_sft)
+
+
+def _examples(path: str, tokenizer: Any, max_prompt: int, max_response: int
+              ) -> tuple[list[tuple[list[int], list[int]]], int]:
+  """(prompt ids, response ids + EOS) per record; too-long ones are
+  dropped and counted."""
+  eos = tokenizer.eos_token_id
+  examples, too_long = [], 0
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      if not line.strip():
+        continue
+      record = json.loads(line)
+      prompt = encode_chat(tokenizer, record["messages"])
+      response = tokenizer.encode(record["response"],
+                                  add_special_tokens=False) + [eos]
+      if len(prompt) > max_prompt or len(response) > max_response:
+        too_long += 1
+        continue
+      examples.append((prompt, response))
+  return examples, too_long
+
+
+def run_sft(config, workdir: str) -> list[dict[str, Any]]:
+  """Trains (or resumes) the warm start in `workdir`; returns this run's
+  metrics. The batch of step s is a pure function of s and the seed."""
+  validate_config(config, required=("policy", "sft"))
+  os.makedirs(workdir, exist_ok=True)
+  sft = config.sft
+  mesh = make_mesh(config.mesh)
+  tokenizer = load_tokenizer(config.policy.tokenizer)
+  examples, too_long = _examples(sft.data, tokenizer, sft.max_prompt_tokens,
+                                 sft.max_response_tokens)
+  if too_long:
+    logging.warning("%d of %d SFT examples exceed sft.max_prompt_tokens / "
+                    "max_response_tokens and are skipped", too_long,
+                    too_long + len(examples))
+  rows = sft.batch_size
+  if rows % (sft.micro_batches * batch_divisor(mesh)):
+    raise ValueError(f"sft.batch_size={rows} must divide into "
+                     f"{sft.micro_batches} micro-batches x "
+                     f"{batch_divisor(mesh)} data shards")
+  if len(examples) < rows:
+    raise ValueError(f"{len(examples)} usable SFT examples < "
+                     f"sft.batch_size={rows}")
+  model = load_policy(config.policy, len(tokenizer))
+  learner = Learner(model, TrainStepConfig(
+      loss=SFTLossConfig(),
+      optimizer=OptimizerConfig(learning_rate=sft.learning_rate,
+                                warmup_steps=sft.warmup_steps,
+                                weight_decay=sft.weight_decay,
+                                grad_clip_norm=sft.grad_clip_norm),
+      micro_batches=sft.micro_batches, logprob_chunk=sft.logprob_chunk),
+                    mesh)
+  steps_per_epoch = len(examples) // rows
+  total = sft.max_steps or sft.epochs * steps_per_epoch
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
+                              config.checkpoint.keep,
+                              config.checkpoint.async_save)
+  key = jax.random.key(config.seed)
+  restored = checkpointer.restore(learner.params, learner.opt_state, key)
+  step = 0
+  if restored is not None:
+    learner.params, learner.opt_state = restored.params, restored.opt_state
+    step = restored.step
+  buckets = tuple(sft.buckets)
+  pad = int(tokenizer.pad_token_id or 0)
+  writer = MetricsWriter(workdir, total, tensorboard=config.tensorboard)
+  history = []
+  try:
+    while step < total:
+      epoch, position = divmod(step, steps_per_epoch)
+      order = np.random.default_rng([config.seed, epoch]).permutation(
+          len(examples))
+      chosen = [examples[i] for i in order[position * rows:
+                                           (position + 1) * rows]]
+      start = time.perf_counter()
+      batch = supervised_batch(
+          [p for p, _ in chosen], [r for _, r in chosen],
+          bucket_length(max(len(p) for p, _ in chosen), buckets),
+          sft.max_response_tokens, pad)
+      metrics = learner.step(batch)
+      step += 1
+      metrics.update(epoch=epoch, skipped_examples=too_long,
+                     wall_s=time.perf_counter() - start)
+      writer.write(step, metrics)
+      history.append(metrics)
+      if step % config.checkpoint.every_steps == 0 or step == total:
+        checkpointer.save(step, learner.params, learner.opt_state, key,
+                          {"epoch": epoch})
+  finally:
+    checkpointer.wait()
+    writer.close()
+  return history
+
+
+def summary_text(history: Sequence[dict[str, Any]]) -> str:
+  """The warm start's loss curve, one line per step."""
+  lines = ["step      loss       nll"]
+  lines += [f"{m['step']:4d}  {m['loss']:8.4f}  {m['nll']:8.4f}"
+            for m in history]
+  return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""Teacher trajectories, the SFT job, and GRPO started from its checkpoint
+with grammar-constrained rollouts."""
+
+import importlib.util
+import json
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from cmimem_jax.config import apply_overrides
+from cmimem_jax.encoders import HashingEncoder
+from cmimem_jax.memory import MemoryBank, apply_response
+from cmimem_jax.memory.dsl import parse, response_regex
+from cmimem_jax.rl import Checkpointer, read_metrics
+from cmimem_jax.task.loop import Trainer
+from cmimem_jax.task.warm_start import run_sft, write_jsonl
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def load_module(name, path):
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_annotation_trajectories_are_valid_and_apply(tmp_path, locomo_path):
+  tool = load_module("make_sft_data",
+                     os.path.join(ROOT, "tools", "make_sft_data.py"))
+  output = tmp_path / "sft.jsonl"
+  summary = tool.main([f"--input={locomo_path}", "--dialogues=0:1",
+                       f"--output={output}", "--encoder=hashing", "--dim=32"])
+  records = [json.loads(line) for line in output.read_text().splitlines()]
+  assert summary["records"] == len(records) == 19  # conv-26's sessions.
+  assert summary["rejected"] == 0 and summary["dialogue_ids"] == ["conv-26"]
+  grammar = re.compile(response_regex())
+  bank = MemoryBank("conv-26", 32)
+  for record in records:
+    assert grammar.fullmatch(record["response"]), record["response"][:200]
+    assert record["messages"][0]["role"] == "system"
+    bank, report = apply_response(bank, parse(record["response"]),
+                                  HashingEncoder(dim=32),
+                                  session_index=record["session_index"])
+    assert report.applied and not report.errors
+  assert len(bank) > 50  # Every session's events and observations landed.
+
+
+def tiny_config(tmp_path, **overrides):
+  config = load_module("tiny", os.path.join(ROOT, "configs", "tiny.py")
+                       ).get_config()
+  config.mesh = "data:2,tensor:4"  # The 8 fake CPU devices of conftest.
+  config.tensorboard = False
+  config.sft = load_module(
+      "small_repro", os.path.join(ROOT, "configs", "small_repro.py")
+  ).get_config().sft
+  data = tmp_path / "teacher.jsonl"
+  write_jsonl(str(data), [
+      {"messages": [{"role": "user", "content": f"Session {i}: I like tea."}],
+       "response": "CORE:APPEND|Likes tea\nEPISODIC:SKIP\nSEMANTIC:ADD|"
+                   f"Tea - drink {i}\nPROCEDURAL:SKIP\n"} for i in range(8)])
+  config.sft.update({"data": str(data), "max_steps": 3, "batch_size": 8,
+                     "max_prompt_tokens": 64, "max_response_tokens": 48,
+                     "buckets": (64,), "learning_rate": 1e-3})
+  return apply_overrides(config, overrides)
+
+
+@pytest.mark.slow
+def test_sft_then_constrained_grpo_from_its_checkpoint(tmp_path):
+  sft_dir = str(tmp_path / "sft")
+  history = run_sft(tiny_config(tmp_path), sft_dir)
+  assert [m["step"] for m in read_metrics(sft_dir)] == [1, 2, 3]
+  assert history[-1]["nll"] < history[0]["nll"]
+  resumed = run_sft(tiny_config(tmp_path, **{"sft.max_steps": 4}), sft_dir)
+  assert len(resumed) == 1  # Steps 1-3 come from the checkpoint.
+
+  config = tiny_config(tmp_path, **{
+      "policy.init_checkpoint": sft_dir, "rollout.constrained_dsl": True,
+      "rollout.max_new_tokens": 40, "rl.max_steps": 1, "policy.seed": 5})
+  loop = Trainer(config, str(tmp_path / "rl"))
+  _, saved = Checkpointer(os.path.join(sft_dir, "checkpoints")
+                          ).restore_params(loop.learner.params)
+  for ours, want in zip(jax.tree.leaves(jax.device_get(loop.learner.params)),
+                        jax.tree.leaves(jax.device_get(saved))):
+    np.testing.assert_array_equal(ours, want)
+  # The KL reference is the warm start too.
+  for ref, want in zip(jax.tree.leaves(jax.device_get(loop.learner.ref_params)),
+                       jax.tree.leaves(jax.device_get(saved))):
+    np.testing.assert_array_equal(ref, want)
+  metrics = loop.step()
+  assert metrics["validity_rate"] == 1.0
+  assert metrics["logprob_gap"] < 1e-5  # Sampler and learner masks agree.
+  assert metrics["response_tokens_mean"] <= 40

@@ -1,0 +1,109 @@
+"""The package layering written in README.md holds in the code: no import
+goes from a lower layer to a higher one (or sideways), and the learner
+(`cmimem_jax.rl`) loads nothing of memories, CMI or evaluation."""
+
+import ast
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "cmimem_jax"
+
+
+def readme_layers() -> dict[str, int]:
+  """`{unit: layer}` from README's package table (unit: the name under
+  `cmimem_jax`, e.g. "rl" or "train")."""
+  layers = {}
+  for line in (ROOT / "README.md").read_text().splitlines():
+    row = re.match(r"\|\s*(\d+)\s*\|([^|]+)\|", line)
+    if row:
+      for name in re.findall(r"`([\w.]+)`", row.group(2)):
+        layers[name.removeprefix("cmimem_jax.")] = int(row.group(1))
+  return layers
+
+
+def unit_of(module: str) -> str | None:
+  parts = module.split(".")
+  return parts[1] if parts[0] == "cmimem_jax" and len(parts) > 1 else None
+
+
+def imports_of(path: pathlib.Path, module: str) -> set[str]:
+  """Every `cmimem_jax` module `path` imports, at any depth (function-level
+  imports included), relative imports resolved."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      found.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      if node.level:
+        base = module.split(".")[:-node.level]
+        if path.name == "__init__.py":
+          base = module.split(".")[:len(module.split(".")) - node.level + 1]
+        target = ".".join(base + ([node.module] if node.module else []))
+      else:
+        target = node.module
+      found.add(target)
+      # `from cmimem_jax import cmi` imports the module `cmimem_jax.cmi`.
+      found.update(f"{target}.{a.name}" for a in node.names)
+  return {m for m in found if m.split(".")[0] == "cmimem_jax"}
+
+
+def modules() -> dict[str, pathlib.Path]:
+  out = {}
+  for path in PACKAGE.rglob("*.py"):
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+      parts = parts[:-1]
+    out[".".join(parts)] = path
+  return out
+
+
+def test_readme_table_names_every_package():
+  units = {unit_of(m) for m in modules()} - {None}
+  assert units == set(readme_layers()), (
+      "README's package table and the packages differ: "
+      f"{sorted(units ^ set(readme_layers()))}")
+
+
+def test_no_import_goes_up_or_sideways():
+  layers = readme_layers()
+  violations = []
+  for module, path in modules().items():
+    own = unit_of(module)
+    if own is None:
+      continue
+    for target in imports_of(path, module):
+      other = unit_of(target)
+      if other is None or other == own:
+        continue
+      if layers[other] >= layers[own]:
+        violations.append(f"{module} (layer {layers[own]}) imports {target} "
+                          f"(layer {layers[other]})")
+  assert not violations, "\n".join(violations)
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+  # The walker must find function-level and relative imports; otherwise
+  # the test above could pass on a tree full of upward arrows.
+  path = tmp_path / "mod.py"
+  path.write_text("def f():\n  from cmimem_jax.task import loop\n"
+                  "from .. import cmi\nimport cmimem_jax.evaluation.run\n")
+  units = {unit_of(m) for m in imports_of(path, "cmimem_jax.rl.mod")}
+  assert units == {"task", "cmi", "evaluation", None}
+
+
+def test_learner_imports_nothing_of_the_task():
+  code = ("import json, sys; import cmimem_jax.rl; print(json.dumps("
+          "sorted(m for m in sys.modules if m.startswith('cmimem_jax'))))")
+  out = subprocess.run([sys.executable, "-c", code], check=True,
+                       capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  loaded = json.loads(out.stdout)
+  assert "cmimem_jax.rl.trainer" in loaded
+  forbidden = [m for m in loaded if unit_of(m) in (
+      "memory", "cmi", "evaluation", "task")]
+  assert not forbidden, forbidden

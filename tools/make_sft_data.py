@@ -1,0 +1,81 @@
+"""Writes teacher trajectories (policy prompt -> valid DSL response) as JSONL
+for the supervised warm start (`python -m cmimem_jax.sft`).
+
+  # LoCoMo's own annotations as the teacher, conversations 0-6:
+  python tools/make_sft_data.py --input=../shared/data/locomo/locomo10.json \
+      --dialogues=0:7 --output=/tmp/sft.jsonl
+  # Any OpenAI-compatible chat model as the teacher:
+  python tools/make_sft_data.py --input=... --base_url=http://HOST/v1 \
+      --model=NAME --output=/tmp/sft.jsonl
+
+Each record's prompt is what the RL policy sees for that session (the bank
+built so far by the teacher's own earlier answers); only valid responses
+are kept, and the rejected ones are counted in the printed summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import ml_collections  # noqa: E402
+
+from cmimem_jax.client import EndpointConfig, OpenAIClient  # noqa: E402
+from cmimem_jax.config import memory_defaults  # noqa: E402
+from cmimem_jax.data import load_dataset  # noqa: E402
+from cmimem_jax.encoders import make_encoder  # noqa: E402
+from cmimem_jax.task.warm_start import (annotation_trajectories,  # noqa: E402
+                                        teacher_trajectories, write_jsonl)
+
+
+def dialogue_slice(text: str) -> slice:
+  """"START:STOP" (either may be empty) over the dataset's dialogues."""
+  start, _, stop = text.partition(":")
+  return slice(int(start) if start else None, int(stop) if stop else None)
+
+
+def main(argv: list[str] | None = None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--input", required=True, help="dataset file")
+  parser.add_argument("--dataset", default="locomo",
+                      help="locomo | longmemeval | memoryagentbench")
+  parser.add_argument("--dialogues", default=":",
+                      help="START:STOP slice of the dialogues to use")
+  parser.add_argument("--output", required=True, help="JSONL to write")
+  parser.add_argument("--encoder", default="minilm",
+                      help="encoder for the prompt's retrieved memories "
+                      "(the training config's: minilm | hashing)")
+  parser.add_argument("--dim", type=int, default=384)
+  parser.add_argument("--top_k", type=int, default=20,
+                      help="retrieved entries per type in the prompt")
+  parser.add_argument("--base_url", default="",
+                      help="teacher endpoint (default: annotations)")
+  parser.add_argument("--model", default="", help="teacher model name")
+  args = parser.parse_args(argv)
+  dialogues = load_dataset(args.dataset, args.input)[
+      dialogue_slice(args.dialogues)]
+  encoder = make_encoder(ml_collections.ConfigDict(
+      {"kind": args.encoder, "dim": args.dim, "path": ""}))
+  memory = memory_defaults()
+  if args.base_url:
+    chat = OpenAIClient(EndpointConfig(base_url=args.base_url,
+                                       model=args.model))
+    records, rejected = teacher_trajectories(dialogues, encoder, chat, memory,
+                                             args.top_k, args.model)
+  else:
+    records, rejected = annotation_trajectories(dialogues, encoder, memory,
+                                                args.top_k)
+  write_jsonl(args.output, records)
+  summary = {"output": args.output, "dialogues": len(dialogues),
+             "records": len(records), "rejected": rejected,
+             "dialogue_ids": sorted({r["dialogue_id"] for r in records})}
+  print(json.dumps(summary))
+  return summary
+
+
+if __name__ == "__main__":
+  main()
