@@ -52,6 +52,13 @@ def _timed(wall: dict[str, float], name: str, fn, *args):
   return out
 
 
+def reward_terms(rl_metrics: list[dict]) -> list[str]:
+  """The reward terms to plot. Counts (`reward/num_*`) live on another
+  scale and would flatten the terms."""
+  return sorted(k for k in rl_metrics[0]
+                if k.startswith("reward/") and not k.startswith("reward/num_"))
+
+
 def plot_training(rl_metrics: list[dict], sft_metrics: list[dict],
                   directory: str) -> list[str]:
   """The PNGs: reward terms, validity / length / KL per GRPO step, and the
@@ -61,13 +68,14 @@ def plot_training(rl_metrics: list[dict], sft_metrics: list[dict],
   import matplotlib.pyplot as plt
   steps = [m["step"] for m in rl_metrics]
   names = []
-  fig, ax = plt.subplots(figsize=(7, 4))
-  for term in sorted(k for k in rl_metrics[0] if k.startswith("reward/")):
+  fig, ax = plt.subplots(figsize=(9, 4))
+  colors = plt.cm.tab20.colors
+  for i, term in enumerate(reward_terms(rl_metrics)):
     ax.plot(steps, [m.get(term) for m in rl_metrics], marker="o",
-            label=term.removeprefix("reward/"))
+            color=colors[i % len(colors)], label=term.removeprefix("reward/"))
   ax.set(xlabel="GRPO step", ylabel="mean over rollouts",
          title="Reward terms per step")
-  ax.legend(fontsize=7, ncol=2)
+  ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
   fig.tight_layout()
   fig.savefig(os.path.join(directory, "reward_terms.png"), dpi=120)
   names.append("reward_terms.png")
@@ -97,7 +105,8 @@ def plot_training(rl_metrics: list[dict], sft_metrics: list[dict],
 
 def results_table(results: dict[str, dict]) -> str:
   """Markdown: per category, context recall and evidence-turn recall of
-  each policy."""
+  each policy. The overall row follows the benchmark's protocol (LoCoMo:
+  adversarial left out), so its `n` counts only the categories it means."""
   categories = sorted({c for r in results.values()
                        for c in r["by_category"]})
   header = "| category | n | " + " | ".join(
@@ -106,18 +115,24 @@ def results_table(results: dict[str, dict]) -> str:
 
   def cell(result, metric, category):
     block = result.get(metric) or {}
-    value = (block.get("overall") if category == "overall"
+    value = (block.get("overall") if category is None
              else block.get("by_category", {}).get(category))
     return "—" if value is None else f"{value:.3f}"
 
-  first = next(iter(results.values()))
-  for category in categories + ["overall"]:
-    n = (first["n"] if category == "overall"
-         else first["n_by_category"].get(category, 0))
-    lines.append(f"| {category} | {n} | " + " | ".join(
+  def row(label: str, n: int, category: str | None) -> str:
+    return f"| {label} | {n} | " + " | ".join(
         f"{cell(r, 'context_recall', category)} | "
         f"{cell(r, 'evidence_recall', category)}"
-        for r in results.values()) + " |")
+        for r in results.values()) + " |"
+
+  first = next(iter(results.values()))
+  counts = first["n_by_category"]
+  lines += [row(c, counts.get(c, 0), c) for c in categories]
+  excluded = first.get("context_recall", {}).get("excluded_from_overall", [])
+  label = ("overall" if not excluded
+           else f"overall (without {', '.join(excluded)})")
+  lines.append(row(label, sum(n for c, n in counts.items()
+                              if c not in excluded), None))
   return "\n".join(lines)
 
 

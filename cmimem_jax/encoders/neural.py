@@ -45,7 +45,8 @@ class TransformerEncoder:
     tokenizer: A HF tokenizer.
     dim: Output width.
     max_length: Truncation length in tokens.
-    batch_size: Fixed compiled batch size.
+    batch_size: Largest compiled batch (smaller calls compile at the next
+      power of two).
     query_prefix: Format string with `{text}` for `kind="query"`.
     padding_side: "left" or "right".
   """
@@ -87,8 +88,11 @@ class TransformerEncoder:
       rows = order[start:start + self.batch_size]
       length = next(b for b in self.buckets
                     if b >= max(len(ids[r]) for r in rows))
-      tokens = np.full((self.batch_size, length), pad, np.int32)
-      mask = np.zeros((self.batch_size, length), np.int32)
+      # Rows padded to a power of two: a single query must not pay for a
+      # full batch (32x the work), and shapes stay few.
+      padded = min(self.batch_size, 1 << (len(rows) - 1).bit_length())
+      tokens = np.full((padded, length), pad, np.int32)
+      mask = np.zeros((padded, length), np.int32)
       for i, r in enumerate(rows):
         seq = ids[r]
         if self.padding_side == "left":

@@ -132,7 +132,7 @@ def aggregate(records: Sequence[Mapping], score_key: str = "score",
 
   Returns:
     `{"overall", "task_averaged", "by_category", "n", "scored",
-    "failures", "n_by_category"}`; categories in `exclude_from_overall`
+    "failures", "n_by_category", "excluded_from_overall"}`; categories in `exclude_from_overall`
     (LoCoMo's adversarial, for its "without category 5" figure) are still
     reported per category but left out of overall and task-averaged.
   """
@@ -157,4 +157,5 @@ def aggregate(records: Sequence[Mapping], score_key: str = "score",
       "n": len(records), "scored": sum(len(v) for v in by_category.values()),
       "failures": failures,
       "n_by_category": dict(sorted(counts.items())),
+      "excluded_from_overall": sorted(excluded),
   }

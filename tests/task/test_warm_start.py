@@ -94,3 +94,35 @@ def test_sft_then_constrained_grpo_from_its_checkpoint(tmp_path):
   assert metrics["validity_rate"] == 1.0
   assert metrics["logprob_gap"] < 1e-5  # Sampler and learner masks agree.
   assert metrics["response_tokens_mean"] <= 40
+
+
+def test_teacher_endpoint_keeps_valid_answers_and_counts_the_rest(
+    tmp_path, locomo_path):
+  fake_openai = load_module("fake_openai", os.path.join(
+      ROOT, "tests", "evaluation", "fake_openai.py"))
+  tool = load_module("make_sft_data",
+                     os.path.join(ROOT, "tools", "make_sft_data.py"))
+  calls = []
+
+  def teacher(content):
+    calls.append(content)
+    if len(calls) % 3 == 0:
+      return "Sure! Here are the memory operations you asked for."
+    # Unordered, with a blank line: kept, and rewritten canonically.
+    return (f"SEMANTIC:ADD|Fact {len(calls)}\nCORE:APPEND|Note\n\n"
+            "PROCEDURAL:SKIP\nEPISODIC:SKIP")
+
+  output = tmp_path / "teacher.jsonl"
+  with fake_openai.FakeOpenAI(reply=teacher) as server:
+    summary = tool.main([f"--input={locomo_path}", "--dialogues=0:1",
+                         f"--output={output}", "--encoder=hashing",
+                         "--dim=32", f"--base_url={server.base_url}",
+                         "--model=teacher-x"])
+  records = [json.loads(line) for line in output.read_text().splitlines()]
+  assert len(calls) == 19
+  assert summary["rejected"] == 6 and len(records) == 13
+  assert records[0]["source"] == "teacher:teacher-x"
+  assert records[0]["response"] == ("CORE:APPEND|Note\nEPISODIC:SKIP\n"
+                                    "SEMANTIC:ADD|Fact 1\nPROCEDURAL:SKIP\n")
+  grammar = re.compile(response_regex())
+  assert all(grammar.fullmatch(r["response"]) for r in records)
