@@ -19,7 +19,7 @@ def main(argv: list[str]) -> None:
   logging.info("serving %s at %s", flags.FLAGS.config.serve.model_name,
                server.base_url)
   print(f"serving at {server.base_url}", flush=True)
-  server.httpd.serve_forever()
+  server.serve_forever()
 
 
 if __name__ == "__main__":

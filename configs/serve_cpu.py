@@ -16,5 +16,13 @@ def get_config() -> ml_collections.ConfigDict:
       "chat": True, "embeddings": True, "model_name": "cmimem-local",
       "max_batch": 8, "batch_wait_ms": 10.0, "max_new_tokens": 512,
       "max_prompt_tokens": 4096, "buckets": (256, 512, 1024, 2048, 4096),
-      "api_key_env": ""})  # e.g. "CMIMEM_API_KEY" to require a key.
+      # e.g. "CMIMEM_API_KEY" to require that variable's (non-empty) value.
+      "api_key_env": "",
+      # Limits: larger bodies get 413, slower bodies 408, more chat requests
+      # in flight 429; connections over the cap 503; connections with no
+      # request in progress are closed after idle_timeout_s.
+      "max_request_bytes": 1 << 20, "body_timeout_s": 10.0,
+      "max_pending": 256, "max_connections": 1024, "idle_timeout_s": 5,
+      # Compile every batch size for these prompt lengths before serving.
+      "warm_up_prompt_tokens": ()})
   return config

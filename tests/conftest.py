@@ -2,12 +2,23 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Appended, not set-if-absent: a user's own XLA_FLAGS must not silently
+# turn the multi-device tests into single-device ones.
+_DEVICES = "--xla_force_host_platform_device_count=8"
+if _DEVICES not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pathlib  # noqa: E402
+import threading  # noqa: E402
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+if jax.default_backend() == "cpu" and len(jax.devices()) != 8:
+  raise RuntimeError(
+      f"the tests need 8 fake CPU devices, found {len(jax.devices())}: JAX was"
+      f" initialised before tests/conftest.py set XLA_FLAGS ({_DEVICES})")
 
 from cmimem_jax.encoders import HashingEncoder  # noqa: E402
 
@@ -44,3 +55,30 @@ def locomo_dialogues(locomo_path):
 @pytest.fixture
 def encoder() -> HashingEncoder:
   return HashingEncoder(dim=128)
+
+
+class CompileCounter:
+  """Counts XLA backend compilations in this process (every jit program,
+  ours and JAX's own), via JAX's monitoring events."""
+
+  EVENT = "/jax/core/compile/backend_compile_duration"
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self.count = 0
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+  def _on_event(self, event: str, duration: float, **kwargs) -> None:
+    del duration, kwargs
+    if event == self.EVENT:
+      with self._lock:
+        self.count += 1
+
+
+_COMPILES = CompileCounter()
+
+
+@pytest.fixture
+def compiles() -> CompileCounter:
+  """The process-wide compile counter: compare `.count` before and after."""
+  return _COMPILES

@@ -24,9 +24,13 @@ class GenerationEngine(Protocol):
   """Token ids in, sampled completions out."""
 
   def generate(self, prompts: Sequence[Sequence[int]], key: jax.Array,
-               temperature: float, top_p: float, max_new_tokens: int
-               ) -> SampleOutput:
-    """Samples one completion per prompt (`temperature` 0: greedy)."""
+               temperature: float | Sequence[float],
+               top_p: float | Sequence[float], max_new_tokens: int,
+               row_budgets: Sequence[int] | None = None) -> SampleOutput:
+    """Samples one completion per prompt (`temperature` 0: greedy).
+
+    `temperature` / `top_p`: one value or one per row. `row_budgets`: each
+    row's own token limit (<= `max_new_tokens`, the output width)."""
     ...
 
   def set_model(self, model: Qwen3) -> None:

@@ -128,10 +128,12 @@ class ChatPolicy:
     return tokens
 
   def generate(self, prompts: Sequence[list[int]], key: jax.Array,
-               temperature: float, top_p: float, max_new_tokens: int
-               ) -> SampleOutput:
+               temperature: float | Sequence[float],
+               top_p: float | Sequence[float], max_new_tokens: int,
+               row_budgets: Sequence[int] | None = None) -> SampleOutput:
+    """`GenerationEngine.generate` on this policy's engine."""
     return self.engine.generate(prompts, key, temperature, top_p,
-                                max_new_tokens)
+                                max_new_tokens, row_budgets)
 
   def respond(self, conversations: Sequence[Messages], max_new_tokens: int
               ) -> list[str]:

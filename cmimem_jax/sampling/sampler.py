@@ -13,6 +13,7 @@ token budget, on device; the recorded log-probs are under that mask.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -80,40 +81,59 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int
   return tokens, mask
 
 
-def sample_token(logits: jax.Array, key: jax.Array, temperature: float,
-                 top_p: float) -> tuple[jax.Array, jax.Array]:
-  """Samples from `[B, V]` float32 logits; returns (token, log-prob).
+def sample_token(logits: jax.Array, key: jax.Array,
+                 temperature: jax.Array | float, top_p: jax.Array | float
+                 ) -> tuple[jax.Array, jax.Array]:
+  """Samples from `[B, V]` float32 logits; returns (token `[B]`, log-prob
+  `[B]`).
 
-  The log-prob is under the full distribution at `temperature` (1 when
-  greedy), before top-p truncation: the quantity the trainer recomputes.
+  `temperature` / `top_p` are scalars or `[B]` per row, and traced, so new
+  values never recompile. Temperature 0 is greedy. The log-prob is under
+  the full distribution at the row's temperature (1 when greedy), before
+  top-p truncation: the quantity the trainer recomputes.
   """
-  if temperature == 0:
-    token = jnp.argmax(logits, axis=-1)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-  else:
-    scaled = logits / temperature
-    logprobs = jax.nn.log_softmax(scaled, axis=-1)
-    if top_p < 1.0:
-      order = jnp.argsort(-scaled, axis=-1)
-      sorted_probs = jnp.take_along_axis(jnp.exp(logprobs), order, axis=-1)
-      # Keep the smallest prefix whose mass reaches top_p (always >= 1).
-      keep_sorted = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs < top_p
-      keep = jnp.zeros_like(keep_sorted).at[
-          jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
-      scaled = jnp.where(keep, scaled, -jnp.inf)
-    token = jax.random.categorical(key, scaled, axis=-1)
+  batch = logits.shape[0]
+  temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32),
+                                 (batch,))
+  top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (batch,))
+  greedy = temperature == 0
+  scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+  logprobs = jax.nn.log_softmax(scaled, axis=-1)
+  truncate = ~greedy & (top_p < 1)
+
+  def nucleus(scaled: jax.Array) -> jax.Array:
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_probs = jnp.take_along_axis(jnp.exp(logprobs), order, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (always >= 1).
+    keep_sorted = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+                   < top_p[:, None])
+    keep = jnp.zeros_like(keep_sorted).at[
+        jnp.arange(batch)[:, None], order].set(keep_sorted)
+    return jnp.where(keep | ~truncate[:, None], scaled, -jnp.inf)
+
+  # The vocabulary sort is the costliest part of a decode step: skip it
+  # when no row truncates.
+  masked = jax.lax.cond(jnp.any(truncate), nucleus, lambda x: x, scaled)
+  token = jnp.where(greedy, jnp.argmax(logits, axis=-1),
+                    jax.random.categorical(key, masked, axis=-1))
   return token, jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
 
 
 # graph=False: the policy is passed as a pytree. NNX's default graph mode
 # hands every parameter back out of the program, which copies all weights
 # on each call (~1 s for a 0.6B model on CPU).
-@functools.partial(nnx.jit, static_argnames=("config", "cache_length"),
+# Temperature, top-p and each row's token budget are traced `[B]` arrays:
+# only shapes (batch, prompt bucket, the budget cap) and EOS / pad ids select
+# a compiled program.
+@functools.partial(nnx.jit, static_argnames=("max_new_tokens", "eos_ids",
+                                             "pad_id", "cache_length"),
                    donate_argnames=("cache",), graph=False)
 def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
-              cache: KVCache, key: jax.Array, stop_table: jax.Array,
-              constraint: tuple[jax.Array, jax.Array, jax.Array] | None,
-              config: SamplingConfig, cache_length: int):
+              cache: KVCache, key: jax.Array, temperature: jax.Array,
+              top_p: jax.Array, budget: jax.Array, stop_table: jax.Array,
+              constraint: tuple[jax.Array, jax.Array, jax.Array] | None, *,
+              max_new_tokens: int, eos_ids: tuple[int, ...], pad_id: int,
+              cache_length: int):
   batch, prompt_length = tokens.shape
   positions = positions_from_mask(mask)
   # The cache buffer is reused across calls: forget what it held.
@@ -127,11 +147,11 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
   if model.config.unrolled_decode:
     layers, cache = model.layer_params(), cache.per_layer()
   next_position = positions[:, -1] + 1
-  eos = jnp.asarray(config.eos_ids or (-1,), jnp.int32)
+  eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
 
-  out_tokens = jnp.full((batch, config.max_new_tokens), config.pad_id,
+  out_tokens = jnp.full((batch, max_new_tokens), pad_id,
                         jnp.int32)
-  out_logprobs = jnp.zeros((batch, config.max_new_tokens), jnp.float32)
+  out_logprobs = jnp.zeros((batch, max_new_tokens), jnp.float32)
   done = jnp.zeros((batch,), bool)
   lengths = jnp.zeros((batch,), jnp.int32)
   # The automaton state of each row (unused without a constraint).
@@ -141,7 +161,7 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
 
   def cond(state):
     step, _, _, _, _, done, _, _, _, _ = state
-    return (step < config.max_new_tokens) & ~jnp.all(done)
+    return (step < max_new_tokens) & ~jnp.all(done)
 
   def body(state):
     (step, last_logits, cache, out_tokens, out_logprobs, done, lengths,
@@ -150,19 +170,17 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
     if constraint is not None:
       next_table, budget_table, _ = constraint
       last_logits = constrain_logits(
-          last_logits, budget_table[grammar],
-          jnp.broadcast_to(config.max_new_tokens - step, (batch,)),
-          jnp.asarray(config.eos_ids[0] if config.eos_ids else 0))
-    token, logprob = sample_token(last_logits, sub, config.temperature,
-                                  config.top_p)
-    token = jnp.where(done, config.pad_id, token).astype(jnp.int32)
+          last_logits, budget_table[grammar], budget - step,
+          jnp.asarray(eos_ids[0] if eos_ids else 0))
+    token, logprob = sample_token(last_logits, sub, temperature, top_p)
+    token = jnp.where(done, pad_id, token).astype(jnp.int32)
     if constraint is not None:
       grammar = jnp.where(done, grammar, next_table[grammar, token])
     out_tokens = out_tokens.at[:, step].set(token)
     out_logprobs = out_logprobs.at[:, step].set(jnp.where(done, 0.0, logprob))
     lengths = lengths + (~done).astype(jnp.int32)
-    finished = jnp.isin(token, eos) | _ends_with_stop(
-        out_tokens, step, stop_table)
+    finished = (jnp.isin(token, eos) | (step + 1 >= budget)
+                | _ends_with_stop(out_tokens, step, stop_table))
     new_done = done | finished
     step_mask = (~done).astype(jnp.int32)[:, None]
     logits, cache = model(token[:, None], next_position[:, None], step_mask,
@@ -206,11 +224,13 @@ class Sampler:
                buckets: Sequence[int] = DEFAULT_BUCKETS,
                stop_sequences: Sequence[Sequence[int]] = (),
                mesh: Mesh | None = None,
-               constraint: TokenConstraint | None = None):
+               constraint: TokenConstraint | None = None,
+               max_cached_shapes: int = 4):
     """`mesh`: where the model's (sharded) parameters live; prompts, keys
     and the KV cache are then placed on it too. `constraint`: every
     completion is a match of its regex, then EOS (which must be the first
-    of `config.eos_ids`)."""
+    of `config.eos_ids`). `max_cached_shapes`: KV buffers kept for reuse
+    (least recently used dropped first)."""
     self.model = model
     self._place = (lambda x: x) if mesh is None else functools.partial(
         jax.device_put, device=NamedSharding(mesh, PartitionSpec()))
@@ -231,28 +251,50 @@ class Sampler:
           model.config.vocab_size)
       self._constraint_arrays = tuple(self._place(jnp.asarray(x)) for x in (
           next_state, min_budget, np.int32(constraint.initial_state)))
-    self._caches: dict[tuple[int, int], KVCache] = {}
+    # The KV buffers of the most recently used shapes (LRU, bounded: a
+    # server sees many batch / length combinations).
+    self._caches: collections.OrderedDict[tuple[int, int], KVCache] = (
+        collections.OrderedDict())
+    self.max_cached_shapes = max_cached_shapes
 
   def set_model(self, model: Qwen3) -> None:
     """Samples from `model` from now on (same graph: no recompilation)."""
     self.model = model
 
   def generate(self, prompts: Sequence[Sequence[int]], key: jax.Array,
-               temperature: float, top_p: float, max_new_tokens: int
-               ) -> SampleOutput:
+               temperature: float | Sequence[float],
+               top_p: float | Sequence[float], max_new_tokens: int,
+               row_budgets: Sequence[int] | None = None) -> SampleOutput:
     """`GenerationEngine.generate`: this sampler's EOS / pad ids with the
-    given sampling parameters."""
-    return self(prompts, key, dataclasses.replace(
-        self.config, temperature=temperature, top_p=top_p,
-        max_new_tokens=max_new_tokens))
+    given sampling parameters, one value for every row or one per row.
+    `row_budgets`: each row stops after its own number of tokens (at most
+    `max_new_tokens`, which alone shapes the compiled program)."""
+    return self._sample(prompts, key, temperature, top_p, dataclasses.replace(
+        self.config, max_new_tokens=max_new_tokens), row_budgets)
 
   def __call__(self, prompts: Sequence[Sequence[int]], key: jax.Array,
                config: SamplingConfig | None = None) -> SampleOutput:
     """Generates for token-id prompts (any lengths; left-padded here)."""
     config = config or self.config
+    return self._sample(prompts, key, config.temperature, config.top_p, config)
+
+  def _sample(self, prompts: Sequence[Sequence[int]], key: jax.Array,
+              temperature: float | Sequence[float],
+              top_p: float | Sequence[float], config: SamplingConfig,
+              row_budgets: Sequence[int] | None = None) -> SampleOutput:
+    rows = len(prompts)
+    temperature, top_p = (np.broadcast_to(np.asarray(v, np.float32), (rows,))
+                          for v in (temperature, top_p))
+    budgets = np.broadcast_to(np.asarray(
+        config.max_new_tokens if row_budgets is None else row_budgets,
+        np.int32), (rows,))
+    if (temperature < 0).any() or not ((top_p > 0) & (top_p <= 1)).all():
+      raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+    if not ((budgets >= 1) & (budgets <= config.max_new_tokens)).all():
+      raise ValueError(f"row budgets must be in [1, {config.max_new_tokens}]")
     if self.constraint is not None and (
-        config.max_new_tokens < self.constraint.shortest):
-      raise ValueError(f"max_new_tokens={config.max_new_tokens} is shorter "
+        budgets.min() < self.constraint.shortest):
+      raise ValueError(f"a token budget of {budgets.min()} is shorter "
                        f"than the constraint's shortest completion "
                        f"({self.constraint.shortest} tokens)")
     length = bucket_length(max(len(p) for p in prompts), self.buckets)
@@ -267,9 +309,15 @@ class Sampler:
     # back, so decoding updates it in place and calls never reallocate it.
     cache = self._caches.pop(shape, None) or self._place(KVCache.zeros(
         self.model.config, *shape))
-    out_tokens, out_logprobs, lengths, self._caches[shape] = _generate(
-        self.model, self._place(jnp.asarray(tokens)),
-        self._place(jnp.asarray(mask)), cache, self._place(key),
-        self.stop_table, self._constraint_arrays, config, cache_length)
+    place = lambda x: self._place(jnp.asarray(x))  # noqa: E731
+    out_tokens, out_logprobs, lengths, cache = _generate(
+        self.model, place(tokens), place(mask), cache, self._place(key),
+        place(temperature), place(top_p), place(budgets), self.stop_table,
+        self._constraint_arrays, max_new_tokens=config.max_new_tokens,
+        eos_ids=tuple(config.eos_ids), pad_id=config.pad_id,
+        cache_length=cache_length)
+    self._caches[shape] = cache
+    while len(self._caches) > self.max_cached_shapes:
+      self._caches.popitem(last=False)
     return SampleOutput(np.asarray(out_tokens), np.asarray(out_logprobs),
                         np.asarray(lengths), tokens, mask)

@@ -82,12 +82,21 @@ class VLLMEngine:
     return "reload"
 
   def generate(self, prompts: Sequence[list[int]], key: jax.Array,
-               temperature: float, top_p: float, max_new_tokens: int
-               ) -> SampleOutput:
+               temperature: float | Sequence[float],
+               top_p: float | Sequence[float], max_new_tokens: int,
+               row_budgets: Sequence[int] | None = None) -> SampleOutput:
     seed = int(jax.random.randint(key, (), 0, 2 ** 31 - 1))
-    params = self._vllm.SamplingParams(
-        temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-        stop_token_ids=list(self.eos_ids), logprobs=0, seed=seed)
+    rows = len(prompts)
+    temperature, top_p = (np.broadcast_to(np.asarray(v, float), (rows,))
+                          for v in (temperature, top_p))
+    budgets = np.broadcast_to(np.asarray(
+        max_new_tokens if row_budgets is None else row_budgets), (rows,))
+    # One SamplingParams per row (vLLM takes a list): per-row settings, and
+    # distinct seeds so equal prompts do not draw equal samples.
+    params = [self._vllm.SamplingParams(
+        temperature=float(temperature[row]), top_p=float(top_p[row]),
+        max_tokens=int(budgets[row]), stop_token_ids=list(self.eos_ids),
+        logprobs=0, seed=seed + row) for row in range(rows)]
     requests = [{"prompt_token_ids": list(p)} for p in prompts]
     results = self.llm.generate(requests, params, use_tqdm=False)
     return sample_output(prompts, [r.outputs[0] for r in results],

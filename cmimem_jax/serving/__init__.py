@@ -1,9 +1,13 @@
 """Serving our Flax policy and encoder over the OpenAI API (the local answer
-model / judge, and the endpoint of `encoder.kind="openai"`)."""
+model / judge, and the endpoint of `encoder.kind="openai"`): the ASGI app
+(`app`), the request batcher (`batcher`), and the uvicorn server
+(`server`)."""
 
-from cmimem_jax.serving.server import (BackgroundServer, ChatBatcher,
-                                       RequestError, Server,
-                                       parse_chat_request)
+from cmimem_jax.serving.app import (ChatRequest, Limits, RequestError,
+                                    make_app, parse_chat_request)
+from cmimem_jax.serving.batcher import ChatBatcher, Completion
+from cmimem_jax.serving.server import Server, api_key_from_env
 
-__all__ = ["BackgroundServer", "ChatBatcher", "RequestError", "Server",
+__all__ = ["ChatBatcher", "ChatRequest", "Completion", "Limits",
+           "RequestError", "Server", "api_key_from_env", "make_app",
            "parse_chat_request"]

@@ -17,12 +17,11 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 
 from cmimem_jax.evaluation.metrics import normalize_answer
-from cmimem_jax.serving import BackgroundServer
 
 
 def reply_for(content: str) -> str:
@@ -42,7 +41,14 @@ def embedding_for(text: str, dim: int = 16) -> list[float]:
   return (vector / np.linalg.norm(vector)).tolist()
 
 
-class FakeOpenAI(BackgroundServer):
+class _HTTPServer(ThreadingHTTPServer):
+  daemon_threads = True
+  request_queue_size = 256  # Bursts of concurrent clients (default: 5).
+
+
+class FakeOpenAI:
+  """Serves in a daemon thread while inside `with ...:`; `base_url` ends
+  in `/v1`."""
 
   def __init__(self, behaviour: Callable[[str, int], str] = lambda c, a: "ok",
                delay_s: float = 1.0, reply: Callable[[str], str] = reply_for):
@@ -99,4 +105,19 @@ class FakeOpenAI(BackgroundServer):
             "id": "x", "object": "chat.completion", "created": 0,
             "model": request["model"], "choices": choices}).encode())
 
-    super().__init__(Handler)
+    self.httpd = _HTTPServer(("127.0.0.1", 0), Handler)
+    self._thread = threading.Thread(target=self.httpd.serve_forever,
+                                    daemon=True)
+
+  @property
+  def base_url(self) -> str:
+    host, port = self.httpd.server_address[:2]
+    return f"http://{host}:{port}/v1"
+
+  def __enter__(self) -> "FakeOpenAI":
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.httpd.shutdown()
+    self.httpd.server_close()

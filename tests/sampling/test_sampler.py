@@ -109,3 +109,56 @@ def test_prompt_too_long(model):
   sampler = Sampler(model, SamplingConfig(max_new_tokens=4), buckets=(4,))
   with pytest.raises(ValueError, match="exceeds the largest bucket"):
     sampler([[1] * 5], jax.random.key(0))
+
+
+def test_new_temperatures_and_top_ps_reuse_one_compiled_program(model,
+                                                                 compiles):
+  sampler = Sampler(model, SamplingConfig(max_new_tokens=4), buckets=(8,))
+  sampler.generate(PROMPTS, jax.random.key(0), 0.7, 0.9, 4)  # Warm-up.
+  before = compiles.count
+  for temperature, top_p in [(0.0, 1.0), (1.3, 0.5), (0.2, 1.0), (2.0, 0.99)]:
+    sampler.generate(PROMPTS, jax.random.key(1), temperature, top_p, 4)
+  sampler.generate(PROMPTS, jax.random.key(1), [0.0, 0.5, 1.0],
+                   [1.0, 0.8, 0.3], 4)
+  assert compiles.count == before
+
+
+def test_per_row_sampling_parameters_match_single_setting_calls(model):
+  sampler = Sampler(model, SamplingConfig(max_new_tokens=5), buckets=(8,))
+  greedy = sampler.generate(PROMPTS, jax.random.key(0), 0.0, 1.0, 5)
+  hot = sampler.generate(PROMPTS, jax.random.key(4), 1.2, 0.7, 5)
+  mixed = sampler.generate(PROMPTS, jax.random.key(4), [0.0, 1.2, 0.0],
+                           [1.0, 0.7, 1.0], 5)
+  # Greedy rows ignore the key; the sampled row draws from the same key
+  # stream, so each row equals its single-setting call.
+  for row, expected in ((0, greedy), (1, hot), (2, greedy)):
+    np.testing.assert_array_equal(mixed.tokens[row], expected.tokens[row])
+    np.testing.assert_allclose(mixed.logprobs[row], expected.logprobs[row],
+                               atol=1e-6)
+  with pytest.raises(ValueError, match="top_p in"):
+    sampler.generate(PROMPTS, jax.random.key(0), 1.0, [1.0, 0.0, 1.0], 5)
+
+
+def test_kv_buffers_are_bounded_least_recently_used_first(model):
+  sampler = Sampler(model, SamplingConfig(temperature=0.0, max_new_tokens=2),
+                    buckets=(8,), max_cached_shapes=2)
+  for rows in (1, 2, 3, 2):
+    sampler(PROMPTS[:rows], jax.random.key(0))
+  assert list(sampler._caches) == [(3, 10), (2, 10)]
+
+
+def test_row_budgets_stop_each_row_at_its_own_length(model, compiles):
+  sampler = Sampler(model, SamplingConfig(max_new_tokens=6), buckets=(8,))
+  full = sampler.generate(PROMPTS, jax.random.key(0), 0.0, 1.0, 6)
+  before = compiles.count
+  cut = sampler.generate(PROMPTS, jax.random.key(0), 0.0, 1.0, 6,
+                         row_budgets=[2, 6, 1])
+  assert compiles.count == before  # Budgets are traced values.
+  for row, budget in enumerate([2, 6, 1]):
+    length = min(budget, int(full.lengths[row]))
+    assert cut.lengths[row] == length
+    np.testing.assert_array_equal(cut.tokens[row, :length],
+                                  full.tokens[row, :length])
+  with pytest.raises(ValueError, match=r"row budgets must be in \[1, 6\]"):
+    sampler.generate(PROMPTS, jax.random.key(0), 0.0, 1.0, 6,
+                     row_budgets=[7, 1, 1])

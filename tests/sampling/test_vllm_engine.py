@@ -66,3 +66,30 @@ def test_recomputed_logprobs_match_the_jax_sampler():
   ours, gap = recompute_logprobs(model, out, temperature=0.7, chunk=4)
   assert gap < 1e-5
   np.testing.assert_allclose(ours, out.logprobs, atol=1e-5)
+
+
+def test_generate_sends_per_row_settings_and_distinct_seeds(monkeypatch):
+  """Each row gets its own SamplingParams: its temperature, top-p, budget
+  and seed (one shared seed made a GRPO group's rollouts identical)."""
+  calls = []
+
+  class FakeLLM:
+    def generate(self, requests, params, use_tqdm):
+      calls.append((requests, params))
+      return [types.SimpleNamespace(outputs=[types.SimpleNamespace(
+          token_ids=[7] * p.max_tokens, logprobs=None)]) for p in params]
+
+  fake_vllm = types.SimpleNamespace(
+      SamplingParams=lambda **kw: types.SimpleNamespace(**kw),
+      LLM=lambda **kw: FakeLLM())
+  monkeypatch.setattr("cmimem_jax.sampling.vllm_engine.import_vllm",
+                      lambda: fake_vllm)
+  engine = VLLMEngine("/unused", eos_ids=(2,), pad_id=0)
+  out = engine.generate([[1, 2], [3]], jax.random.key(0), [0.0, 0.8], 0.9, 4,
+                        row_budgets=[4, 2])
+  (requests, params), = calls
+  assert requests == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
+  assert [(p.temperature, p.top_p, p.max_tokens) for p in params] == [
+      (0.0, 0.9, 4), (0.8, 0.9, 2)]
+  assert params[0].seed != params[1].seed
+  np.testing.assert_array_equal(out.lengths, [4, 2])

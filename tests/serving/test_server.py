@@ -1,9 +1,14 @@
 """The OpenAI-compatible server on loopback: concurrency, batching,
-equality with direct calls, errors, API key, and our clients against it."""
+equality with direct calls, streaming, errors and limits, the API key, and
+our clients against it."""
 
+import concurrent.futures
 import importlib.util
 import json
 import os
+import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -27,7 +32,9 @@ def serve_config():
   config.policy.update({"source": "random", "preset": "tiny"})
   config.encoder.update({"kind": "hashing", "dim": 32})
   config.serve.update({"max_new_tokens": 8, "buckets": (64, 128),
-                       "max_prompt_tokens": 128, "batch_wait_ms": 50.0})
+                       "max_prompt_tokens": 128, "batch_wait_ms": 50.0,
+                       "max_request_bytes": 4096, "body_timeout_s": 1.0,
+                       "idle_timeout_s": 1})
   return config
 
 
@@ -112,13 +119,238 @@ def test_malformed_json_unknown_route_and_bad_embedding_input(server):
   assert status == 400 and "'input'" in reply["error"]["message"]
 
 
-def test_api_key_is_enforced(monkeypatch):
+def get(url, key=None):
+  request = urllib.request.Request(
+      url, headers={"Authorization": f"Bearer {key}"} if key else {})
+  try:
+    with urllib.request.urlopen(request, timeout=30) as response:
+      return response.status, json.loads(response.read())
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())
+
+
+def test_api_key_is_enforced_on_every_route_but_health(monkeypatch, server):
   monkeypatch.setenv("CMIMEM_TEST_KEY", "s3cret")
   config = serve_config()
+  config.serve.update({"api_key_env": "CMIMEM_TEST_KEY"})
+  with Server(config) as keyed:
+    base = keyed.base_url
+    for url, body in ((base + "/embeddings", {"input": "x"}),
+                      (base + "/chat/completions", {"messages": messages(1)})):
+      assert post(url, body)[0] == 401
+      assert post(url, body, key="wrong")[0] == 401
+      assert post(url, body, key="s3cret" + "x")[0] == 401
+      assert post(url, body, key="s3cret")[0] == 200
+    assert get(base + "/models")[0] == 401
+    assert get(base + "/models", key="s3cret")[0] == 200
+    assert get(base.removesuffix("/v1") + "/health") == (200,
+                                                         {"status": "ok"})
+    assert keyed.socket.getsockname()[0] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("value", [None, ""])
+def test_a_named_but_unset_or_empty_key_refuses_to_start(monkeypatch, value):
+  if value is None:
+    monkeypatch.delenv("CMIMEM_TEST_KEY", raising=False)
+  else:
+    monkeypatch.setenv("CMIMEM_TEST_KEY", value)
+  config = serve_config()
   config.serve.update({"api_key_env": "CMIMEM_TEST_KEY", "chat": False})
-  with Server(config) as server:
-    url = server.base_url + "/embeddings"
-    assert post(url, {"input": "x"})[0] == 401
-    assert post(url, {"input": "x"}, key="wrong")[0] == 401
-    assert post(url, {"input": "x"}, key="s3cret")[0] == 200
-    assert server.httpd.server_address[0] == "127.0.0.1"
+  with pytest.raises(ValueError, match="refusing to start without the key"):
+    Server(config)
+
+
+def test_models_and_health(server):
+  assert get(server.base_url + "/models") == (200, {"object": "list", "data": [
+      {"id": "cmimem-local", "object": "model", "owned_by": "cmimem_jax"}]})
+  assert get(server.base_url.removesuffix("/v1") + "/health") == (
+      200, {"status": "ok"})
+
+
+def test_stream_sends_openai_chunks_with_the_same_text(server):
+  body = {"messages": messages(5), "max_tokens": 6}
+  status, plain = post(server.base_url + "/chat/completions", body)
+  assert status == 200
+  request = urllib.request.Request(
+      server.base_url + "/chat/completions",
+      data=json.dumps({**body, "stream": True}).encode(),
+      headers={"Content-Type": "application/json"})
+  with urllib.request.urlopen(request, timeout=60) as response:
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    events = [line.removeprefix(b"data: ").decode()
+              for line in response.read().splitlines() if line]
+  assert events[-1] == "[DONE]"
+  chunks = [json.loads(e) for e in events[:-1]]
+  assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+  text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+  assert text == plain["choices"][0]["message"]["content"]
+  assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+  assert chunks[-1]["choices"][0]["finish_reason"] == (
+      plain["choices"][0]["finish_reason"])
+  # The official client reads the stream the same way.
+  import openai
+  client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+  streamed = client.chat.completions.create(
+      model="m", messages=messages(5), max_tokens=6, stream=True)
+  assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
+
+
+def test_max_tokens_cuts_each_row_and_reports_length(server):
+  status, long = post(server.base_url + "/chat/completions",
+                      {"messages": messages(2), "max_tokens": 8})
+  status_short, short = post(server.base_url + "/chat/completions",
+                             {"messages": messages(2), "max_tokens": 2})
+  assert status == status_short == 200
+  assert short["usage"]["completion_tokens"] <= 2
+  if long["usage"]["completion_tokens"] > 2:
+    assert short["choices"][0]["finish_reason"] == "length"
+    assert long["choices"][0]["message"]["content"].startswith(
+        short["choices"][0]["message"]["content"])
+
+
+def raw_exchange(server, data: bytes, then: bytes = b"", pause_s: float = 0.0
+                 ) -> tuple[int, float]:
+  """Sends raw bytes (then more after `pause_s`), reads until the server
+  closes; returns (status, seconds until the answer)."""
+  started = time.monotonic()
+  with socket.create_connection(server.socket.getsockname()[:2],
+                                timeout=30) as sock:
+    sock.sendall(data)
+    if then:
+      time.sleep(pause_s)
+      sock.sendall(then)
+    response = b""
+    while chunk := sock.recv(65536):
+      response += chunk
+  return int(response.split(b" ", 2)[1]), time.monotonic() - started
+
+
+def headers(length: str | int, extra: str = "") -> bytes:
+  return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n"
+          f"Content-Type: application/json\r\n{extra}"
+          f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def test_oversized_declared_body_is_refused_before_reading(server):
+  status, seconds = raw_exchange(server, headers(10 ** 12))
+  assert status == 413 and seconds < 5
+
+
+def test_oversized_chunked_body_is_refused_while_reading(server):
+  chunk = b"x" * 5000
+  data = (b"POST /v1/embeddings HTTP/1.1\r\nHost: t\r\n"
+          b"Transfer-Encoding: chunked\r\n\r\n"
+          + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n0\r\n\r\n")
+  assert raw_exchange(server, data)[0] == 413
+
+
+def test_negative_content_length_is_a_400(server):
+  assert raw_exchange(server, headers(-1))[0] == 400
+
+
+def test_a_body_shorter_than_declared_times_out_with_408(server):
+  status, seconds = raw_exchange(server, headers(100) + b'{"messages"')
+  assert status == 408 and 0.9 < seconds < 10  # serve.body_timeout_s = 1
+
+
+def test_deeply_nested_json_is_a_400(server):
+  status, reply = post(server.base_url + "/chat/completions", None,
+                       raw=b"[" * 3000)
+  assert status == 400 and "nested too deeply" in reply["error"]["message"]
+
+
+def open_idle_connections(server, count: int) -> list[socket.socket]:
+  """Half send nothing, half stop in the middle of their headers."""
+  sockets = []
+  for i in range(count):
+    sock = socket.create_connection(server.socket.getsockname()[:2],
+                                    timeout=30)
+    if i % 2:
+      sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n")
+    sockets.append(sock)
+  return sockets
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+  try:
+    return sock.recv(1) == b""
+  except ConnectionResetError:
+    return True
+  finally:
+    sock.close()
+
+
+def test_idle_and_slow_connections_are_closed(server):
+  sockets = open_idle_connections(server, 10)
+  time.sleep(3)  # serve.idle_timeout_s = 1
+  assert all(closed_by_server(s) for s in sockets)
+
+
+def test_requests_over_max_pending_get_429():
+  config = serve_config()
+  config.serve.update({"max_pending": 2, "batch_wait_ms": 1500.0,
+                       "embeddings": False})
+  with Server(config) as busy:
+    url = busy.base_url + "/chat/completions"
+
+    def call(i):
+      request = urllib.request.Request(
+          url, data=json.dumps({"messages": messages(i)}).encode(),
+          headers={"Content-Type": "application/json"})
+      try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+          return response.status, None
+      except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Retry-After")
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+      results = sorted(pool.map(call, range(6)))
+  assert [s for s, _ in results] == [200, 200, 429, 429, 429, 429]
+  assert {r for s, r in results if s == 429} == {"1"}
+
+
+def rss_bytes() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.slow
+def test_load_256_mixed_chats_with_idle_and_oversized_clients(server,
+                                                              compiles):
+  """Every valid request answered correctly, every bad one a 4xx, idle
+  connections closed, and afterwards no new threads, no memory growth and
+  no compilation after the warm-up."""
+  server.batcher.warm_up()
+  settings = [(0.0, 1.0, 8), (0.7, 0.9, 3), (1.0, 0.5, 5), (1.3, 1.0, 8)]
+  direct = server.batcher.policy.respond([messages(i) for i in range(8)], 8)
+  assert post(server.base_url + "/chat/completions",
+              {"messages": messages(0)})[0] == 200  # Starts the pools.
+  threads, memory, compiled = (threading.active_count(), rss_bytes(),
+                               compiles.count)
+
+  def chat(i):
+    temperature, top_p, max_tokens = settings[i % 4]
+    return post(server.base_url + "/chat/completions", {
+        "messages": messages(i % 8), "temperature": temperature,
+        "top_p": top_p, "max_tokens": max_tokens})
+
+  idle = open_idle_connections(server, 50)
+  with concurrent.futures.ThreadPoolExecutor(256) as pool:
+    oversized = [pool.submit(raw_exchange, server, headers(10 ** 9))
+                 for _ in range(4)] + [
+        pool.submit(raw_exchange, server, headers(8000) + b"x" * 8000)
+        for _ in range(4)]
+    replies = list(pool.map(chat, range(256)))
+    assert [f.result()[0] for f in oversized] == [413] * 8
+  for i, (status, reply) in enumerate(replies):
+    assert status == 200, reply
+    temperature, _, max_tokens = settings[i % 4]
+    usage, choice = reply["usage"], reply["choices"][0]
+    assert 1 <= usage["completion_tokens"] <= max_tokens
+    if temperature == 0.0:
+      assert choice["message"]["content"] == direct[i % 8]
+  time.sleep(2)  # serve.idle_timeout_s = 1
+  assert all(closed_by_server(s) for s in idle)
+  assert compiles.count == compiled
+  assert threading.active_count() == threads
+  assert rss_bytes() - memory < 64 << 20
