@@ -87,13 +87,14 @@ def parse_listing11_verdict(text: str) -> float | None:
 
 
 def parse_yes_no_verdict(text: str) -> float | None:
-  """LongMemEval: 'yes' anywhere means correct; an answer that says
-  neither yes nor no is undecided."""
-  lowered = text.lower()
-  if "yes" in lowered:
-    return 1.0
-  if "no" in re.findall(r"[a-z]+", lowered):
-    return 0.0
+  """LongMemEval: the first word "yes" or "no" (so "yesterday" or "know"
+  decide nothing; `{"answer": "yes"}` counts); neither: undecided.
+
+  The benchmark's own script tests `'yes' in response`, which scores
+  "No, not yesterday." as correct."""
+  for word in re.findall(r"[a-z]+", text.lower()):
+    if word in ("yes", "no"):
+      return float(word == "yes")
   return None
 
 

@@ -14,69 +14,109 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import json_repair
+
 from cmimem_jax.memory.dsl import LineError, ParsedResponse, response_errors
 from cmimem_jax.memory.types import (Action, MemoryType, Operation,
                                      validate_operation)
 
-_FENCE = re.compile(r"```(?:json|JSON)?\s*\n?(.*?)```", re.DOTALL)
-_THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
+# Agent answers are a few thousand characters; longer output is a runaway
+# generation, and the cap bounds the parse time of any input.
+MAX_OUTPUT_CHARS = 64_000
+REPAIR_MAX_CHARS = 4_096
 _TRAILING_COMMA = re.compile(r",\s*([}\]])")
+_THINK = re.compile(r"<think>.*?(?:</think>|$)", re.DOTALL)
+_FENCE = "```"
 
 
-def _outermost_object(text: str) -> str | None:
-  """The first balanced `{...}` in text, respecting JSON strings."""
-  start = text.find("{")
-  while start >= 0:
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-      char = text[i]
-      if in_string:
-        if escaped:
-          escaped = False
-        elif char == "\\":
-          escaped = True
-        elif char == '"':
-          in_string = False
+def _fenced_block(text: str) -> str | None:
+  """The body of the first ``` fence (an optional language tag on its
+  first line), found with linear scans (a regex backtracked on long runs
+  of newlines)."""
+  start = text.find(_FENCE)
+  if start < 0:
+    return None
+  body = start + len(_FENCE)
+  newline = text.find("\n", body)
+  if newline >= 0 and text[body:newline].strip() in ("json", "JSON", ""):
+    body = newline + 1
+  end = text.find(_FENCE, body)
+  return text[body:end] if end >= 0 else None
+
+
+def _first_balanced_object(text: str) -> str | None:
+  """The balanced `{...}` that starts earliest, respecting JSON strings:
+  one pass with a stack of open braces (linear; restarting at every `{`
+  was quadratic)."""
+  opened: list[int] = []
+  best: tuple[int, int] | None = None
+  in_string = escaped = False
+  for i, char in enumerate(text):
+    if in_string:
+      if escaped:
+        escaped = False
+      elif char == "\\":
+        escaped = True
       elif char == '"':
-        in_string = True
-      elif char == "{":
-        depth += 1
-      elif char == "}":
-        depth -= 1
-        if depth == 0:
-          return text[start:i + 1]
-    start = text.find("{", start + 1)
-  return None
+        in_string = False
+    elif char == '"':
+      in_string = bool(opened)
+    elif char == "{":
+      opened.append(i)
+    elif char == "}" and opened:
+      start = opened.pop()
+      if best is None or start < best[0]:
+        best = (start, i + 1)
+      if not opened:
+        break  # An outermost object closed: nothing can start earlier.
+  return None if best is None else text[best[0]:best[1]]
+
+
+def _repaired(candidate: str) -> Any:
+  """`json`, then linear repairs (trailing commas; Python literal syntax),
+  then `json_repair` for what is left (unquoted keys, missing quotes) on
+  candidates up to `REPAIR_MAX_CHARS`: it is quadratic on some inputs
+  (60k characters of `{a: b, ...}` took 29 s)."""
+  without_commas = _TRAILING_COMMA.sub(r"\1", candidate)
+  try:
+    for attempt in (candidate, without_commas):
+      try:
+        return json.loads(attempt)
+      except json.JSONDecodeError:
+        pass
+    try:
+      return ast.literal_eval(without_commas)
+    except (ValueError, TypeError, SyntaxError, MemoryError):
+      pass
+    if len(candidate) <= REPAIR_MAX_CHARS:
+      return json_repair.loads(candidate)
+  except RecursionError:
+    raise ValueError("JSON nested too deeply") from None
+  raise ValueError(f"unparseable JSON object: {candidate[:80]!r}")
 
 
 def loads_llm_json(text: str) -> Any:
-  """Parses a JSON object out of LLM output.
+  """Parses a JSON object out of LLM output, in time linear in its length.
 
-  Repairs: strips `<think>` blocks and code fences, takes the first balanced
-  object from surrounding prose, drops trailing commas, and accepts Python
-  literal syntax (single quotes, True/None).
+  Strips `<think>` blocks and code fences, takes the first balanced
+  object from surrounding prose, and repairs what `json` cannot read
+  (`_repaired`).
 
   Raises:
-    ValueError: when no object can be recovered.
+    ValueError: output over `MAX_OUTPUT_CHARS`, nested too deeply, or no
+      non-empty object recoverable.
   """
+  if len(text) > MAX_OUTPUT_CHARS:
+    raise ValueError(f"output of {len(text)} characters exceeds "
+                     f"{MAX_OUTPUT_CHARS}")
   text = _THINK.sub("", text)
-  fenced = _FENCE.search(text)
-  if fenced:
-    text = fenced.group(1)
-  candidate = _outermost_object(text)
+  text = _fenced_block(text) or text
+  candidate = _first_balanced_object(text)
   if candidate is None:
     raise ValueError("no JSON object found")
-  for attempt in (candidate, _TRAILING_COMMA.sub(r"\1", candidate)):
-    try:
-      return json.loads(attempt)
-    except json.JSONDecodeError:
-      pass
-  try:
-    value = ast.literal_eval(_TRAILING_COMMA.sub(r"\1", candidate))
-  except (ValueError, SyntaxError) as e:
-    raise ValueError(f"unparseable JSON object: {e}") from e
-  if not isinstance(value, dict):
-    raise ValueError("not a JSON object")
+  value = _repaired(candidate)
+  if not isinstance(value, dict) or not value:
+    raise ValueError(f"unparseable JSON object: {candidate[:80]!r}")
   return value
 
 
@@ -131,7 +171,7 @@ def parse_agent_output(memory_type: MemoryType, text: str
   name = memory_type.dsl_name
   try:
     obj = loads_llm_json(text if isinstance(text, str) else "")
-  except ValueError as e:
+  except Exception as e:  # noqa: BLE001 - any failure is an invalid answer.
     return [], [LineError(None, name, f"{name} agent: {e}")]
   if memory_type is MemoryType.CORE:
     candidates: list[Operation | str] = [_core_operation(obj)]

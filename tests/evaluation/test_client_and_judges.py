@@ -63,6 +63,11 @@ def test_listing11_and_yes_no_verdicts():
   assert parse_yes_no_verdict("Yes.") == 1.0
   assert parse_yes_no_verdict("No") == 0.0
   assert parse_yes_no_verdict("unclear") is None
+  # Verdicts are words: "yesterday" / "know" decide nothing.
+  assert parse_yes_no_verdict("No, it happened yesterday.") == 0.0
+  assert parse_yes_no_verdict("Yesterday is mentioned; I know.") is None
+  assert parse_yes_no_verdict('{"answer": "yes"}') == 1.0
+  assert parse_yes_no_verdict('{"answer": "no", "why": "yes-man"}') == 0.0
 
 
 def question(category="single-hop", answer="Paris", abstention=False):

@@ -1,3 +1,5 @@
+import time
+
 import pytest
 
 from cmimem_jax.memory import (Action, MemoryType, combine_agent_outputs,
@@ -78,3 +80,30 @@ def test_combine():
   assert not parsed.valid and "no SEMANTIC line" in parsed.errors[0].message
   outputs[MemoryType.SEMANTIC] = "I cannot help with that."
   assert not combine_agent_outputs(outputs).valid
+
+
+def test_unquoted_keys_and_python_literals_are_repaired():
+  assert loads_llm_json("{operation: 'APPEND', \"content\": 'x', ok: True,}"
+                        ) == {"operation": "APPEND", "content": "x",
+                              "ok": True}
+
+
+ADVERSARIAL = {
+    "nested brackets": '{"operations": ' + "[" * 1000 + "}",
+    "nested objects": '{"a":' * 1000 + "1" + "}" * 1000,
+    "open braces": "{" * 20000,
+    "fence then newlines": "```json" + "\n" * 20000,
+    "unquoted keys": "{" + "a: b, " * 10000 + "}",
+    "over the cap": '{"a": "' + "x" * 70000 + '"}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL))
+def test_adversarial_outputs_are_invalid_quickly_and_never_raise(name):
+  started = time.monotonic()
+  with pytest.raises(ValueError):
+    loads_llm_json(ADVERSARIAL[name])
+  parsed = combine_agent_outputs({t: ADVERSARIAL[name] for t in MemoryType})
+  assert not parsed.valid and len(parsed.errors) >= len(MemoryType)
+  # Was: RecursionError escaping, 14.5 s for 20k "{", 6 s for the fence.
+  assert time.monotonic() - started < 1.0
