@@ -23,11 +23,17 @@ def test_demo_cli_builds_saves_and_reports(tmp_path, locomo_path):
   assert "invalid_responses" not in summary["conv-26"]
   bank = MemoryBank.load(str(tmp_path / "conv-26"))
   assert bank.step == 19 and len(bank) == summary["conv-26"]["entries"]
+  # Deterministic (embedded MiniLM, annotation builder): pinned values as
+  # the summary rounds them.
+  assert summary["conv-26"]["entries"] == 209
   rewards = summary["conv-26"]["cmi_reward"]
-  assert rewards["scored_operations"] > 100
-  assert -0.5 <= rewards["mean_cmi"] <= 1.0
+  assert rewards["scored_operations"] == 228
+  assert rewards["mean_cmi"] == 0.3368
+  assert rewards["mean_rho_new"] == 0.0921
   # Annotation memories with provenance find most single-hop evidence.
-  assert summary["conv-26"]["evidence_recall"]["single-hop"] > 0.3
+  assert summary["conv-26"]["evidence_recall"] == {
+      "adversarial": 0.234, "multi-hop": 0.409, "open-domain": 0.545,
+      "single-hop": 0.571, "temporal": 0.865}
 
 
 def test_bad_config_fails_before_work(tmp_path):

@@ -1,5 +1,8 @@
-"""Benchmark loaders mapping LongMemEval, LoCoMo and MemoryAgentBench to `Dialogue`s."""
+"""Benchmark loaders mapping LongMemEval, LoCoMo and MemoryAgentBench to
+`Dialogue`s, and the safe file handling of what the jobs write (`files`)."""
 
+from cmimem_jax.data.files import (path_under, read_jsonl, rewrite_jsonl,
+                                    safe_name)
 from cmimem_jax.data.locomo import LOCOMO_CATEGORIES, load_locomo
 from cmimem_jax.data.longmemeval import LONGMEMEVAL_TYPES, load_longmemeval
 from cmimem_jax.data.memoryagentbench import chunk_text, load_memoryagentbench
@@ -11,5 +14,6 @@ __all__ = [
     "DatasetError", "Dialogue", "LOADERS", "LOCOMO_CATEGORIES", "LONGMEMEVAL_TYPES",
     "Question", "Session", "Turn", "bundled_path", "chunk_text", "load_locomo",
     "load_dataset", "load_longmemeval", "load_memoryagentbench", "parse_date",
+    "path_under", "read_jsonl", "rewrite_jsonl", "safe_name",
 ]
 

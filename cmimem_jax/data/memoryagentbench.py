@@ -97,6 +97,8 @@ def load_memoryagentbench(path: str,
     if qa_ids is not None and len(qa_ids) != len(questions):
       meta.fail("qa_pair_ids", f"{len(qa_ids)} ids for {len(questions)} "
                 "questions")
+    if qa_ids is not None and len(set(map(str, qa_ids))) != len(qa_ids):
+      meta.fail("qa_pair_ids", "repeats an id")
     dialogue_id = f"{source}:{row_index}"
     chunks = chunk_text(context, chunk_chars)
     if not chunks:
@@ -114,7 +116,9 @@ def load_memoryagentbench(path: str,
         reader.fail(f"answers[{i}]", "expected a non-empty list of strings")
       golds = tuple(str(g) for g in golds)
       parsed_questions.append(Question(
-          question_id=str(qa_ids[i]) if qa_ids else f"{dialogue_id}:q{i}",
+          # Prefixed: rows of different sources reuse qa_pair_ids.
+          question_id=(f"{dialogue_id}:{qa_ids[i]}" if qa_ids
+                       else f"{dialogue_id}:q{i}"),
           question=question, answer=golds[0], category=source,
           all_answers=golds))
     dialogues.append(Dialogue(

@@ -5,8 +5,11 @@ Per dialogue: build the method's context provider (utterance RAG, or a
 memory bank built by the policy / the JSON agents, cached under
 `DIR/banks/`), retrieve a context for every question (Alg. 2), answer it
 (unless the judge is `context_recall`, which needs no answer), judge, and
-append one JSON record per question to `DIR/predictions.jsonl`. A rerun
-skips questions already scored (failed judgements are retried).
+append one JSON record per question to `DIR/predictions.jsonl`, flushed as
+soon as its wave of calls (as many as the models run at once) returns. A
+rerun skips questions already scored (failed judgements are retried) and
+repairs a torn last line; `DIR/settings.json` records what decides the
+results (`result_settings`), and a rerun with other settings is refused.
 `DIR/results.json` holds overall / per-category / task-averaged scores,
 `n` and `failures` (judgements that could not be made, never scored).
 """
@@ -24,7 +27,8 @@ from tqdm import tqdm
 
 from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
 from cmimem_jax.config import register_section, validate_config
-from cmimem_jax.data import Dialogue, Question, load_dataset
+from cmimem_jax.data import (Dialogue, Question, load_dataset, path_under,
+                             read_jsonl)
 from cmimem_jax.encoders import Encoder, make_encoder
 from cmimem_jax.evaluation.answering import (MemoryContext, QAContext, TurnRAG,
                                              answer_many)
@@ -102,8 +106,8 @@ def context_provider(dialogue: Dialogue, encoder: Encoder, config,
                      failures: collections.Counter):
   if config.method == "rag":
     return TurnRAG(dialogue, encoder, config.rag_top_k)
-  directory = os.path.join(workdir, "banks", config.method,
-                           dialogue.dialogue_id)
+  directory = path_under(workdir, "banks", config.method,
+                         dialogue.dialogue_id)
   if os.path.exists(os.path.join(directory, "CURRENT")):
     bank = MemoryBank.load(directory)
   else:
@@ -179,15 +183,71 @@ def score_dialogue(dialogue: Dialogue, questions: list[Question],
 
 
 def read_records(path: str) -> dict[str, dict]:
-  """Last record per question id (reruns append)."""
-  records = {}
+  """Last record per question id (reruns append); a torn last line (a
+  killed run) is dropped and cut from the file."""
+  return {r["question_id"]: r for r in read_jsonl(path)}
+
+
+def result_settings(config) -> dict[str, Any]:
+  """What decides a question's record and the cached banks: the dataset,
+  method, encoder, memory settings and the models that build, answer and
+  judge (not the subset, concurrency or timeouts)."""
+  def model(section, used: bool) -> dict[str, Any] | None:
+    if not used or section.kind == "none":
+      return None
+    if section.kind == "endpoint":
+      return {"kind": "endpoint", "model": section.endpoint.model,
+              "temperature": section.endpoint.temperature,
+              "max_tokens": section.endpoint.max_tokens}
+    return {"kind": "local", "path": section.path,
+            "init_checkpoint": section.init_checkpoint,
+            "max_new_tokens": section.max_new_tokens,
+            "constrained_dsl": section.constrained_dsl}
+  llm_judge = config.judge.kind == "llm"
+  settings = {
+      "dataset": config.dataset.name,
+      "dataset_file": os.path.basename(config.dataset.path),
+      "method": config.method,
+      "rag_top_k": config.rag_top_k if config.method == "rag" else None,
+      "encoder": config.encoder.to_dict(), "memory": config.memory.to_dict(),
+      "judge": {"kind": config.judge.kind, "prompt": config.judge.prompt,
+                "model": config.judge.endpoint.model if llm_judge else None},
+      "answer": model(config.answer, llm_judge),
+      "builder": model(config.builder, config.method != "rag")}
+  return json.loads(json.dumps(settings))  # Tuples as lists, as stored.
+
+
+def check_settings(workdir: str, settings: dict[str, Any]) -> None:
+  """Records `settings` in `workdir/settings.json`, or refuses a workdir
+  whose results came from other settings.
+
+  Raises:
+    ValueError: naming each setting that differs.
+  """
+  path = os.path.join(workdir, "settings.json")
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
-      for line in f:
-        if line.strip():
-          record = json.loads(line)
-          records[record["question_id"]] = record
-  return records
+      stored = json.load(f)
+    changed = [f"{k}: {stored.get(k)!r} -> {settings.get(k)!r}"
+               for k in sorted(set(stored) | set(settings))
+               if stored.get(k) != settings.get(k)]
+    if changed:
+      raise ValueError(
+          f"{workdir} holds results of other settings ({'; '.join(changed)})"
+          ": use a new --workdir, or delete its predictions.jsonl, banks/ "
+          "and settings.json")
+    return
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(settings, f, indent=1)
+
+
+def calls_in_flight(model: ChatModel | None) -> int | None:
+  """How many calls `model.chat_many` makes at once (None: no model)."""
+  if model is None:
+    return None
+  if isinstance(model, OpenAIClient):
+    return max(1, model.config.concurrency)
+  return getattr(model, "batch_size", 1)
 
 
 def summarize(records: list[dict], config, failures: dict) -> dict:
@@ -222,6 +282,12 @@ def evaluate(config, workdir: str) -> dict:
   selected = [(d, q) for d in dialogues for q in d.questions]
   if config.limit:
     selected = selected[:config.limit]
+  ids = collections.Counter(q.question_id for _, q in selected)
+  repeated = [qid for qid, count in ids.items() if count > 1]
+  if repeated:
+    raise ValueError(f"{len(repeated)} question ids occur more than once "
+                     f"(records would merge), e.g. {repeated[:5]}")
+  check_settings(workdir, result_settings(config))
   path = os.path.join(workdir, "predictions.jsonl")
   done = {qid for qid, r in read_records(path).items()
           if r.get("score") is not None}
@@ -244,6 +310,11 @@ def evaluate(config, workdir: str) -> dict:
     judge = LLMJudge(OpenAIClient(EndpointConfig.from_config(
         config.judge.endpoint)), config.judge.prompt)
   failures: collections.Counter[str] = collections.Counter()
+  # Questions scored per wave: as many as the models answer at once, so
+  # each wave's records are written as soon as its calls return.
+  in_flight = [n for n in (calls_in_flight(answerer),
+                           calls_in_flight(judge and judge.client)) if n]
+  wave = min(in_flight) if in_flight else None
   start = time.perf_counter()
   with open(path, "a", encoding="utf-8") as out, tqdm(
       total=len(selected), initial=len(selected) - sum(
@@ -255,11 +326,13 @@ def evaluate(config, workdir: str) -> dict:
         continue
       provider = context_provider(dialogue, encoder, config, workdir, builder,
                                   failures)
-      for record in score_dialogue(dialogue, questions, provider, config,
-                                   answerer, judge):
-        out.write(json.dumps(record) + "\n")
-        bar.update(1)
-      out.flush()
+      step = wave or len(questions)
+      for start in range(0, len(questions), step):
+        for record in score_dialogue(dialogue, questions[start:start + step],
+                                     provider, config, answerer, judge):
+          out.write(json.dumps(record) + "\n")
+          out.flush()  # A crash loses at most the calls still in flight.
+          bar.update(1)
   wanted = {q.question_id for _, q in selected}
   records = [r for qid, r in read_records(path).items() if qid in wanted]
   calls = {name: model.failures.as_dict() for name, model in

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterable, Sequence
@@ -22,6 +23,8 @@ from cmimem_jax.memory.types import ENTRY_TYPES, MemoryEntry, MemoryType
 
 FORMAT_VERSION = 1
 _CURRENT = "CURRENT"
+# The version folders `save` writes (and the only names it ever deletes).
+_VERSION = re.compile(r"v\d{6,}-[0-9a-f]{8}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +227,7 @@ class MemoryBank:
                os.path.join(directory, _CURRENT))
     _fsync_dir(directory)
     for name in os.listdir(directory):
-      if name.startswith("v") and name != version:
+      if _VERSION.fullmatch(name) and name != version:
         shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     return os.path.join(directory, version)
 
@@ -236,8 +239,14 @@ class MemoryBank:
       FileNotFoundError: no saved bank in `directory`.
       ValueError: the saved files are inconsistent (names the file).
     """
-    with open(os.path.join(directory, _CURRENT), encoding="utf-8") as f:
-      folder = os.path.join(directory, f.read().strip())
+    current = os.path.join(directory, _CURRENT)
+    with open(current, encoding="utf-8") as f:
+      version = f.read().strip()
+    # CURRENT names a folder this class wrote, never a path elsewhere.
+    if not _VERSION.fullmatch(version):
+      raise ValueError(f"{current}: {version[:80]!r} is not a bank version "
+                       "name")
+    folder = os.path.join(directory, version)
     meta_path = os.path.join(folder, "meta.json")
     with open(meta_path, encoding="utf-8") as f:
       meta = json.load(f)
@@ -300,7 +309,7 @@ def _fsync_dir(path: str) -> None:
 def _remove_stale_temporaries(directory: str) -> None:
   """Deletes staging folders left by a writer that crashed mid-save."""
   for name in os.listdir(directory):
-    if name.startswith(".tmp-"):
+    if name.startswith(".tmp-") and _VERSION.fullmatch(name[len(".tmp-"):]):
       shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 

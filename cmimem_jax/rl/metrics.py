@@ -9,18 +9,38 @@ import os
 import sys
 from typing import Any
 
+from absl import logging
+
+from cmimem_jax.data.files import read_jsonl, rewrite_jsonl
+
 
 class MetricsWriter:
+  """Appends step metrics to `workdir/metrics.jsonl` (and TensorBoard).
+
+  `start_step`: the step training resumes from. Records of later steps (a
+  run that crashed after them but before its next checkpoint) are removed,
+  from the JSONL file and from TensorBoard (`purge_step`), since those steps
+  run again; a torn last line from a killed writer is dropped.
+  """
 
   def __init__(self, workdir: str, total_steps: int | None = None,
-               tensorboard: bool = True, progress: bool | None = None):
+               tensorboard: bool = True, progress: bool | None = None,
+               start_step: int = 0):
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, "metrics.jsonl")
+    records = read_jsonl(self.path)
+    kept = [r for r in records if r.get("step", 0) <= start_step]
+    if len(kept) < len(records):
+      logging.warning("%s: dropping %d records of steps after %d (they run "
+                      "again from the checkpoint)", self.path,
+                      len(records) - len(kept), start_step)
+      rewrite_jsonl(self.path, kept)
     self._file = open(self.path, "a", encoding="utf-8")
     self._tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
+                               purge_step=start_step + 1)
     if progress is None:
       progress = sys.stderr.isatty()
     self._bar = None
@@ -53,5 +73,5 @@ class MetricsWriter:
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """Every step's record in `workdir/metrics.jsonl`."""
+  return read_jsonl(os.path.join(workdir, "metrics.jsonl"))

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 from cmimem_jax.cmi import RewardComputer, RewardConfig, RolloutInput
 from cmimem_jax.config import ConfigError, validate_config
-from cmimem_jax.data import Dialogue, load_dataset
+from cmimem_jax.data import Dialogue, load_dataset, path_under
 from cmimem_jax.encoders import Encoder, make_encoder
 from cmimem_jax.memory import MemoryBank, lookup_chunks, parse, render
 from cmimem_jax.memory.annotations import locomo_annotation_operations
@@ -137,7 +137,7 @@ def run(config, workdir: str | None) -> dict[str, dict]:
     reward_s = time.perf_counter() - start
     print(bank.render(max_entries=5))
     if workdir:
-      directory = os.path.join(workdir, dialogue.dialogue_id)
+      directory = path_under(workdir, dialogue.dialogue_id)
       bank.save(directory)
       if MemoryBank.load(directory) != bank:
         raise RuntimeError(f"reloaded bank in {directory} differs")

@@ -330,7 +330,8 @@ class Trainer:
   def run(self) -> list[dict[str, Any]]:
     """Trains to `total_steps`, checkpointing; returns this run's metrics."""
     writer = MetricsWriter(self.workdir, self.total_steps,
-                           tensorboard=self.config.tensorboard)
+                           tensorboard=self.config.tensorboard,
+                           start_step=self.loop["step"])
     every = self.config.checkpoint.every_steps
     history = []
     try:

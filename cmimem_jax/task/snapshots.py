@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from cmimem_jax.client import Messages
+from cmimem_jax.data.files import path_under
 from cmimem_jax.data.types import Dialogue
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.memory.bank import MemoryBank
@@ -43,7 +44,7 @@ def build_snapshots(dialogues: Sequence[Dialogue],
 def save_snapshots(directory: str, banks: list[list[MemoryBank]]) -> None:
   for per_dialogue in banks:
     for t, bank in enumerate(per_dialogue):
-      bank.save(os.path.join(directory, bank.user_id, f"s{t}"))
+      bank.save(path_under(directory, bank.user_id, f"s{t}"))
 
 
 def load_snapshots(directory: str, dialogues: Sequence[Dialogue]
@@ -53,7 +54,7 @@ def load_snapshots(directory: str, dialogues: Sequence[Dialogue]
   for dialogue in dialogues:
     per_dialogue = []
     for t in range(len(dialogue.sessions)):
-      path = os.path.join(directory, dialogue.dialogue_id, f"s{t}")
+      path = path_under(directory, dialogue.dialogue_id, f"s{t}")
       if not os.path.exists(os.path.join(path, "CURRENT")):
         return None
       per_dialogue.append(MemoryBank.load(path))

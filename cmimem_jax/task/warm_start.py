@@ -196,7 +196,8 @@ def run_sft(config, workdir: str) -> list[dict[str, Any]]:
     step = restored.step
   buckets = tuple(sft.buckets)
   pad = int(tokenizer.pad_token_id or 0)
-  writer = MetricsWriter(workdir, total, tensorboard=config.tensorboard)
+  writer = MetricsWriter(workdir, total, tensorboard=config.tensorboard,
+                         start_step=step)
   history = []
   try:
     while step < total:

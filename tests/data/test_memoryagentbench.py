@@ -23,7 +23,7 @@ def _check(dialogues):
   assert joined == " ".join(ROWS[0]["context"].split())
   q = first.questions[0]
   assert (q.question_id, q.answer, q.all_answers, q.category) == (
-      "a", "Paris", ("Paris", "paris, France"), "ruler_qa1")
+      "ruler_qa1:0:a", "Paris", ("Paris", "paris, France"), "ruler_qa1")
   assert dialogues[1].questions[0].question_id == "eventqa:1:q0"
 
 
@@ -57,6 +57,8 @@ def test_bad_parquet(tmp_path):
     ({"context": "c", "questions": ["q"], "answers": [[]]}, "answers[0]"),
     ({"context": "c", "questions": ["q"], "answers": [["a"]],
       "metadata": {"qa_pair_ids": ["x", "y"]}}, "metadata.qa_pair_ids"),
+    ({"context": "c", "questions": ["q", "r"], "answers": [["a"], ["b"]],
+      "metadata": {"qa_pair_ids": ["x", "x"]}}, "metadata.qa_pair_ids"),
     ({"context": "  ", "questions": [], "answers": []}, "context"),
 ])
 def test_malformed(tmp_path, row, field):
@@ -73,3 +75,12 @@ def test_chunk_text():
   assert chunk_text("", 3) == []
   with pytest.raises(ValueError):
     chunk_text("x", 0)
+
+
+def test_rows_reusing_qa_pair_ids_keep_distinct_question_ids(tmp_path):
+  rows = [dict(ROWS[0]), dict(ROWS[0])]  # Two rows, same qa_pair_ids.
+  path = tmp_path / "mab.json"
+  path.write_text(json.dumps(rows))
+  ids = [q.question_id for d in load_memoryagentbench(str(path))
+         for q in d.questions]
+  assert len(set(ids)) == len(ids) == 4

@@ -116,3 +116,29 @@ def test_recent_and_render(encoder):
   assert [e.text for e in recent] == ["timeline", "episodic fact 2 about tea"]
   text = bank.render(max_entries=2)
   assert "Name: Zoë" in text and "more" in text
+
+
+def test_save_deletes_only_its_own_old_versions(tmp_path, encoder):
+  target = tmp_path / "shared"
+  for sibling in ("venv", "v1", "vocab.txt", ".tmp-notes"):
+    path = target / sibling
+    path.parent.mkdir(exist_ok=True)
+    path.mkdir() if "." not in sibling[1:] else path.write_text("keep")
+  bank = _filled_bank(encoder, 3)
+  first = bank.save(str(target))
+  second = bank.save(str(target))
+  left = sorted(os.listdir(target))
+  assert os.path.basename(first) not in left  # The old version went...
+  assert {"venv", "v1", "vocab.txt", ".tmp-notes",  # ...nothing else did.
+          os.path.basename(second), "CURRENT"} == set(left)
+
+
+@pytest.mark.parametrize("pointer", ["../elsewhere", "/etc", "", "v1/../.."])
+def test_a_current_file_pointing_elsewhere_is_refused(tmp_path, encoder,
+                                                      pointer):
+  target = str(tmp_path / "b")
+  _filled_bank(encoder, 2).save(target)
+  with open(os.path.join(target, "CURRENT"), "w") as f:
+    f.write(pointer)
+  with pytest.raises(ValueError, match="is not a bank version name"):
+    MemoryBank.load(target)
