@@ -81,8 +81,9 @@ class ScriptedEngine:
   def set_model(self, model):
     del model
 
-  def generate(self, prompts, key, temperature, top_p, max_new_tokens):
-    del key, temperature, top_p, max_new_tokens
+  def generate(self, prompts, key, temperature, top_p, max_new_tokens,
+               row_budgets=None):
+    del key, temperature, top_p, max_new_tokens, row_budgets
     tokenizer = self.tokenizer
     length = bucket_length(max(len(p) for p in prompts), (512, 1024))
     prompt_tokens, prompt_mask = left_pad(prompts, length, 0)
@@ -101,6 +102,10 @@ def test_logged_reward_terms_equal_direct_computation(tmp_path):
   config = tiny_config(**{"rl.max_steps": 1, "reward.alpha": 0.5})
   loop = Trainer(config, str(tmp_path))
   loop.policy.engine = ScriptedEngine(loop.policy.tokenizer)
+  batches = []
+  learner_step = loop.learner.step
+  loop.learner.step = lambda batch: (batches.append(batch),
+                                     learner_step(batch))[1]
   metrics = loop.step()
 
   # Directly: parse each response, apply it to the session's snapshot,
@@ -141,8 +146,16 @@ def test_logged_reward_terms_equal_direct_computation(tmp_path):
   # Composite reward with alpha = 0.5 before the multiplicative factors.
   assert np.mean([t.base for t in terms]) == pytest.approx(
       np.mean([0.5 * t.cmi + 0.5 * t.qa for t in terms]))
-  # Attribution reached the loss: some completion tokens weigh 4.
+  # Attribution reached the loss: in rollouts with a dominant memory type
+  # (App. D) that type's line weighs more; every other completion token 1.
   assert metrics["advantage_abs_max"] > 0
+  weights, loss_mask = batches[0]["token_weights"], batches[0]["loss_mask"]
+  for row, term in enumerate(terms):
+    row_weights = weights[row][loss_mask[row] > 0]
+    if term.dominant_type is None:
+      assert set(row_weights.tolist()) == {1.0}
+    else:
+      assert row_weights.max() > 1.0 and row_weights.min() == 1.0
 
 
 def test_bad_training_config_is_reported_before_work(tmp_path):
@@ -168,3 +181,104 @@ def test_cli_demo_summary(tmp_path):
   summary = json.loads(result.stdout.strip().splitlines()[-1])
   assert summary["steps"] == 1 and summary["resumed_from"] is None
   assert (tmp_path / "demo_before.txt").exists()
+
+
+def test_crash_between_checkpoints_then_resume_with_a_snapshot_refresh(
+    tmp_path):
+  """Killed after step 3 with the last checkpoint at 2: the resumed run
+  redoes step 3 from the same state, logs every step once, and refreshes
+  the snapshots at the epoch boundary."""
+  overrides = {"rl.max_steps": 4, "checkpoint.every_steps": 2,
+               "rl.sessions_per_batch": 5}
+  first = Trainer(tiny_config(**overrides), str(tmp_path))
+  assert first.curriculum.steps_per_epoch == 3  # Epoch 1 starts at step 4.
+  step = first.step
+
+  def killed_at_step_4():
+    if first.loop["step"] == 3:
+      raise RuntimeError("killed")
+    return step()
+
+  first.step = killed_at_step_4
+  with pytest.raises(RuntimeError, match="killed"):
+    first.run()
+  crashed = read_metrics(str(tmp_path))
+  assert [m["step"] for m in crashed] == [1, 2, 3]
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+  assert [m["snapshot_version"] for m in crashed] == [0, 0, 0]
+
+  resumed = Trainer(tiny_config(**overrides), str(tmp_path))
+  assert resumed.resumed_from == 2
+  resumed.run()
+  metrics = read_metrics(str(tmp_path))
+  assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+  assert [m["snapshot_version"] for m in metrics] == [0, 0, 0, 1]
+  assert sorted(os.listdir(tmp_path / "snapshots")) == ["v0", "v1"]
+  # Step 3 again, from checkpoint 2's weights, RNG and curriculum position.
+  assert metrics[2]["sessions"] == crashed[2]["sessions"]
+  for key in ("reward_mean", "validity_rate", "loss"):
+    assert metrics[2][key] == pytest.approx(crashed[2][key], abs=1e-5), key
+
+
+class ScoresNaNOnce:
+  """The QA reward, returning NaN for its first valid rollout."""
+
+  def __init__(self, qa):
+    self.qa, self.failures, self.calls = qa, qa.failures, 0
+
+  def __call__(self, bank, episode):
+    self.calls += 1
+    score, counts = self.qa(bank, episode)
+    return (float("nan") if self.calls == 1 else score), counts
+
+
+def test_a_non_finite_reward_is_an_invalid_rollout_not_a_crash(tmp_path):
+  loop = Trainer(tiny_config(**{"rl.max_steps": 1}), str(tmp_path))
+  loop.policy.engine = ScriptedEngine(loop.policy.tokenizer)
+  loop.qa = ScoresNaNOnce(loop.qa)
+  metrics = loop.step()
+  rows = len(metrics["sessions"]) * loop.group
+  assert metrics["nonfinite_rewards"] == 1
+  # 3 of every 4 scripted responses are valid; the NaN one no longer is.
+  assert metrics["validity_rate"] == pytest.approx(0.75 - 1 / rows)
+  assert np.isfinite(metrics["reward_mean"]) and np.isfinite(metrics["loss"])
+  assert metrics["update_skipped"] == 0.0
+
+
+def test_vllm_engine_receives_the_restored_weights(tmp_path, monkeypatch):
+  """`rollout.engine=vllm` (a stand-in engine here): after a resume the
+  engine generates from the checkpoint's weights, not the initial ones."""
+  import jax
+  from cmimem_jax.sampling import load_tokenizer
+  from cmimem_jax.task import loop as loop_module
+
+  class StandInVLLM(ScriptedEngine):
+    def __init__(self, checkpoint, eos_ids, pad_id, buckets, **kwargs):
+      del checkpoint, eos_ids, pad_id, buckets, kwargs
+      super().__init__(load_tokenizer(""))
+      self.pushed, self.last_push = [], None
+
+    def set_model(self, model):
+      self.pushed.append(np.asarray(jax.device_get(model.embed[...])))
+      self.last_push = "load_weights"
+
+  monkeypatch.setattr(loop_module, "import_vllm", lambda: None)
+  monkeypatch.setattr(loop_module, "VLLMEngine", StandInVLLM)
+  overrides = {"rl.max_steps": 1, "rollout.engine": "vllm"}
+  first = Trainer(tiny_config(**overrides), str(tmp_path))
+  initial = np.asarray(jax.device_get(
+      first.learner.params["embed"]))
+  first.run()
+  trained = np.asarray(jax.device_get(
+      first.learner.params["embed"]))
+  assert not np.array_equal(initial, trained)
+
+  resumed = Trainer(tiny_config(**{**overrides, "rl.max_steps": 2}),
+                    str(tmp_path))
+  assert resumed.resumed_from == 1
+  engine = resumed.policy.engine
+  assert len(engine.pushed) == 1  # Pushed once, before any rollout.
+  np.testing.assert_array_equal(engine.pushed[0], trained)
+  metrics = resumed.run()[0]
+  assert metrics["vllm_weight_push"] == "load_weights"
+  assert metrics["sampler_trainer_logprob_gap"] >= 0

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -142,10 +143,19 @@ def _train_step(graphdef: nnx.GraphDef, config: TrainStepConfig, mesh: Mesh,
                 ref_params: Any | None, min_budget: jax.Array | None):
   grads, stats = accumulated_grads(graphdef, config, mesh, params, batch,
                                    ref_params, start, min_budget)
-  updates, opt_state = optimizer.update(grads, opt_state, params)
-  params = optax.apply_updates(params, updates)
-  stats = dict(stats, grad_norm=optax.tree.norm(grads),
-               update_norm=optax.tree.norm(updates))
+  updates, new_opt_state = optimizer.update(grads, opt_state, params)
+  grad_norm = optax.tree.norm(grads)
+  # A NaN / inf loss or gradient leaves params and optimizer state as they
+  # were (the step is counted as skipped), so it never reaches a checkpoint.
+  finite = jnp.isfinite(stats["loss"]) & jnp.isfinite(grad_norm)
+  keep_if_finite = functools.partial(jax.tree.map,
+                                     lambda new, old: jnp.where(finite, new,
+                                                                old))
+  params = keep_if_finite(optax.apply_updates(params, updates), params)
+  opt_state = keep_if_finite(new_opt_state, opt_state)
+  stats = dict(stats, grad_norm=grad_norm,
+               update_norm=optax.tree.norm(updates),
+               update_skipped=(~finite).astype(jnp.float32))
   return params, opt_state, stats
 
 
@@ -208,6 +218,7 @@ class Learner:
                        "config.constraint_eos_id and min_budget")
     self.min_budget = None if min_budget is None else jax.device_put(
         min_budget, NamedSharding(mesh, P()))
+    self.skipped_updates = 0  # Non-finite steps not applied (this run).
     self._step = jit_train_step(self.graphdef, config, mesh, self.optimizer,
                                 self.param_shardings, self.opt_shardings,
                                 with_reference=self.ref_params is not None)
@@ -242,6 +253,12 @@ class Learner:
         first_column, self.params, self.opt_state, placed, self.ref_params,
         self.min_budget)
     metrics = {k: float(v) for k, v in jax.device_get(stats).items()}
+    if metrics["update_skipped"]:
+      self.skipped_updates += 1
+      logging.warning("non-finite loss %s / gradient norm %s: update "
+                      "skipped (%d so far)", metrics["loss"],
+                      metrics["grad_norm"], self.skipped_updates)
+    metrics["skipped_updates_total"] = float(self.skipped_updates)
     seconds = time.perf_counter() - start
     metrics.update(step_time_s=seconds,
                    tokens_per_s=float(np.sum(batch["mask"])) / seconds)

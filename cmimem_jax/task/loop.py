@@ -300,7 +300,14 @@ class Trainer:
                               self.config.memory, self.qa, self.reward)
     reward_s = time.perf_counter() - start
     rewards = np.array([t.reward for t in terms])
-    valid = np.array([t.valid for t in terms])
+    # A NaN / inf reward (e.g. from a QA score) makes its rollout invalid:
+    # counted and logged, and the run goes on.
+    finite = np.isfinite(rewards)
+    if not finite.all():
+      logging.warning("step %d: %d non-finite rewards, scored as invalid "
+                      "rollouts", step + 1, int((~finite).sum()))
+    rewards = np.where(finite, rewards, 0.0)
+    valid = np.array([t.valid for t in terms]) & finite
     advantages = group_advantages(rewards, valid,
                                   self.group)
     width = out.tokens.shape[1]
@@ -319,6 +326,7 @@ class Trainer:
         # Within-group spread: what GRPO's advantages are made of.
         reward_group_std=float(rewards.reshape(-1, self.group).std(1).mean()),
         validity_rate=float(valid.mean()),
+        nonfinite_rewards=int((~finite).sum()),
         response_tokens_mean=float(np.mean(out.lengths)),
         qa_failures=sum(self.qa.failures.values()) - failures_before,
         sample_s=sample_s, reward_s=reward_s,

@@ -284,3 +284,30 @@ def test_restore_params_takes_only_the_weights(tmp_path):
     np.testing.assert_array_equal(a, b)
   with pytest.raises(FileNotFoundError):
     Checkpointer(str(tmp_path / "empty")).restore_params(other.params)
+
+
+def test_a_non_finite_step_is_skipped_and_counted():
+  trainer = Learner(tiny_model(), config(), one_device_mesh())
+  _train(trainer, [0])
+  params = jax.device_get(trainer.params)
+  opt_state = jax.device_get(trainer.opt_state)
+  poisoned = synthetic_batch(1)
+  poisoned["advantages"] = np.full_like(poisoned["advantages"], np.nan)
+  metrics = trainer.step(poisoned)
+  assert not np.isfinite(metrics["loss"])
+  assert metrics["update_skipped"] == 1.0
+  assert metrics["skipped_updates_total"] == 1.0
+  # Neither the weights nor Adam's moments / step count moved.
+  for a, b in zip(jax.tree.leaves((params, opt_state)),
+                  jax.tree.leaves(jax.device_get((trainer.params,
+                                                  trainer.opt_state)))):
+    np.testing.assert_array_equal(a, b)
+  # The next finite step trains as if the bad one never happened.
+  fresh = Learner(tiny_model(), config(), one_device_mesh())
+  _train(fresh, [0, 2])
+  metrics = trainer.step(synthetic_batch(2))
+  assert metrics["update_skipped"] == 0.0
+  assert metrics["skipped_updates_total"] == 1.0
+  for a, b in zip(jax.tree.leaves(jax.device_get(fresh.params)),
+                  jax.tree.leaves(jax.device_get(trainer.params))):
+    np.testing.assert_allclose(a, b, atol=1e-6)
