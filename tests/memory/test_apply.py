@@ -2,6 +2,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from dsl_strategies import responses  # noqa: I100
+
 from cmimem_jax.memory import (Action, CoreConfig, MemoryBank, MemoryType,
                                Operation, apply_operations, apply_response,
                                keep_recent_lines, parse)
@@ -188,18 +190,42 @@ def test_apply_response_gate(bank, encoder):
   assert report.applied and new.core.endswith("\nx") and len(new) == len(bank) + 1
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.text(max_size=200))
-def test_random_responses_never_corrupt_the_bank(text):
+def _seeded_bank():
   from cmimem_jax.encoders import HashingEncoder
   encoder = HashingEncoder(64)
   bank = MemoryBank("u", 64)
   bank, _ = apply(bank, [op(S, "ADD", "seed")], encoder)
+  return bank, encoder
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(max_size=200))
+def test_random_text_never_corrupts_the_bank(text):
+  bank, encoder = _seeded_bank()
   before = bank.copy()
   parsed = parse("CORE:APPEND|a\n" + text)
   new, report = apply_response(bank, parsed, encoder, session_index=1)
   assert bank == before
   if not parsed.valid:
     assert new is bank and not report.applied
-  else:
-    assert new.step == bank.step + 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(responses())
+def test_valid_responses_are_applied_and_broken_ones_never(case):
+  """Half of the drawn responses are valid: each is applied as a new step
+  (the input bank untouched), each broken one leaves the bank as it was."""
+  text, ops = case
+  bank, encoder = _seeded_bank()
+  before = bank.copy()
+  new, report = apply_response(bank, parse(text), encoder, session_index=1)
+  assert bank == before
+  if ops is None:
+    assert new is bank and not report.applied
+    return
+  assert report.applied and new.step == bank.step + 1
+  adds = sum(o.action is Action.ADD for o in ops)
+  assert len(new) >= len(bank) + adds  # Every ADD is a new entry.
+  appends = [o.new_text for o in ops if o.action is Action.APPEND]
+  for text_added in appends:
+    assert text_added in new.core
