@@ -3,7 +3,7 @@ deterministic injected failures.
 
 `behaviour(content, attempt)` picks what to do with the n-th request
 (1-based `attempt`) carrying the same last-message content: "ok",
-"500", "timeout" (sleep past the client's timeout, then answer),
+"500" / "400" / "429" (that status), "timeout" (sleep past the client's timeout, then answer),
 "malformed" (200 with a body that is not JSON), "empty" (200 without
 choices).
 """
@@ -89,8 +89,8 @@ class FakeOpenAI:
           server.attempts[content] += 1
           attempt = server.attempts[content]
         action = server.behaviour(content, attempt)
-        if action == "500":
-          self._send(500, b'{"error": {"message": "injected"}}')
+        if action in ("500", "400", "429"):
+          self._send(int(action), b'{"error": {"message": "injected"}}')
           return
         if action == "timeout":
           time.sleep(server.delay_s)

@@ -44,6 +44,21 @@ def test_permanent_failures_are_reported_not_answered(action, kind):
   assert client.failures.as_dict()["failed_calls"] == {kind: 1}
 
 
+def test_a_4xx_is_not_retried_but_429_is():
+  with FakeOpenAI(lambda c, a: "400") as server:
+    client = client_for(server, max_retries=3)
+    result = client.chat([{"role": "user", "content": "q"}])
+    assert server.requests == 1  # A bad request stays bad: one attempt.
+  assert not result.ok and result.attempts == 1
+  assert result.error.startswith("http_4xx")
+  assert client.failures.as_dict() == {"failed_attempts": {"http_4xx": 1},
+                                       "failed_calls": {"http_4xx": 1}}
+  with FakeOpenAI(lambda c, a: "429" if a == 1 else "ok") as server:
+    client = client_for(server, max_retries=3)
+    result = client.chat([{"role": "user", "content": "q"}])
+  assert result.ok and result.attempts == 2  # Rate limits are retried.
+
+
 def test_chat_many_keeps_order_under_concurrency_and_embeds():
   with FakeOpenAI() as server:
     client = client_for(server, concurrency=8)

@@ -224,3 +224,44 @@ def test_records_are_flushed_per_wave_of_calls(locomo_path, tmp_path):
   # of earlier waves are on disk before the next wave's first call.
   assert len(written) == 24
   assert [written[i] for i in (0, 8, 16)] == [0, 4, 8]
+
+
+@pytest.mark.slow
+def test_policy_method_with_local_builder_and_answer_model(
+    longmemeval_sample_path, tmp_path):
+  """`method=policy` end to end with our Flax model as the constrained
+  memory builder and as the answer model (a tiny random Qwen3 with the
+  embedded tokenizer), judged by an endpoint."""
+  from flax import nnx
+  from cmimem_jax.memory import MemoryBank
+  from cmimem_jax.models.qwen3 import Qwen3, preset
+  from cmimem_jax.models.qwen3.params import save_hf
+  from cmimem_jax.sampling import load_tokenizer
+  tokenizer = load_tokenizer("")
+  model_dir = str(tmp_path / "tiny_policy")
+  save_hf(Qwen3(preset("tiny", vocab_size=len(tokenizer),
+                       max_position_embeddings=16384), rngs=nnx.Rngs(0)),
+          model_dir)
+  tokenizer.save_pretrained(model_dir)
+  with FakeOpenAI() as judge:
+    config = eval_config(longmemeval_sample_path, "longmemeval", **{
+        "method": "policy", "judge.kind": "llm",
+        "judge.endpoint.base_url": judge.base_url,
+        "judge.endpoint.model": "fake",
+        "builder.kind": "local", "builder.path": model_dir,
+        "builder.max_new_tokens": 64, "builder.constrained_dsl": True,
+        "answer.kind": "local", "answer.path": model_dir,
+        "answer.max_new_tokens": 8})
+    result = evaluate(config, str(tmp_path / "eval"))
+    assert judge.requests == 2  # Only the judge is remote.
+  # Constrained decoding: every session's response is valid DSL, applied.
+  assert result["call_failures"]["build"] == {"invalid_build_responses": 0}
+  assert result["n"] == 2 and result["failures"] == 0
+  records = read_jsonl(tmp_path / "eval" / "predictions.jsonl")
+  assert all(isinstance(r["prediction"], str) for r in records)
+  assert {r["score"] for r in records} <= {0.0, 1.0}
+  for record in records:
+    bank = MemoryBank.load(str(tmp_path / "eval" / "banks" / "policy" /
+                               record["dialogue_id"]))
+    assert bank.step == 2  # One applied response per session.
+    assert bank.core  # Every valid response has exactly one CORE line.
