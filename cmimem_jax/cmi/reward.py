@@ -111,11 +111,18 @@ def gaussian_shaping(score: np.ndarray | float, mu: float, sigma: float
   return np.exp(-((score - mu) ** 2) / (2.0 * sigma * sigma))
 
 
-def operation_score(action: Action, rho_new: float, rho_old: float) -> float:
-  """Eq. 10 routing: net gain for update-like, clipped rho for add-like."""
-  if action in UPDATE_LIKE:
-    return float(rho_new - rho_old)
-  return max(0.0, float(rho_new))
+def operation_score(action: Action, rho_new: float,
+                    rho_old: float | None = None) -> float:
+  """Eq. 9-10 routing. r̂ is clamped to [0, 1] (§3.3: a negative partial
+  correlation is "actively misleading", not negative information); an
+  update-like action with a target scores the net gain
+  clamp(ρ_new) − clamp(ρ_old) ∈ [−1, 1]; add-like actions, and updates of
+  an empty target (`rho_old` None: nothing was known before), clamp(ρ_new).
+  """
+  new = min(max(float(rho_new), 0.0), 1.0)
+  if action in UPDATE_LIKE and rho_old is not None:
+    return new - min(max(float(rho_old), 0.0), 1.0)
+  return new
 
 
 def length_excess(chars: int, memory_type: MemoryType,
@@ -211,8 +218,8 @@ def _scored_operations(rollout: RolloutInput
         old, new = op.fields
         if old in rollout.bank.core:  # A REPLACE with no match is a no-op.
           scored.append((op, new, old))
-      else:  # REWRITE: old is the previous block.
-        scored.append((op, op.new_text, rollout.bank.core))
+      else:  # REWRITE: old is the previous block (none when it is empty).
+        scored.append((op, op.new_text, rollout.bank.core or None))
     elif op.action in (Action.ADD, Action.MERGE):
       scored.append((op, op.new_text, None))
     elif op.action is Action.UPDATE:
@@ -358,19 +365,29 @@ class RewardComputer:
         op.memory_type is MemoryType.SEMANTIC and not op.writes
         for op in r.response.operations)]
     novelty = self._semantic_novelty(rollouts, embeddings, skips)
-    return [self._terms(r, scored[i], rhos[i], embeddings, novelty.get(i))
+    # Eq. 16: the slot retrieved most often while answering, counted over
+    # the whole batch (valid rollouts), is dominant for every rollout.
+    batch_counts: collections.Counter[MemoryType] = collections.Counter()
+    for rollout in rollouts:
+      if rollout.response.valid:
+        batch_counts.update(rollout.retrieval_counts or {})
+    dominant = self._dominant_type(batch_counts)
+    return [self._terms(r, scored[i], rhos[i], embeddings, novelty.get(i),
+                        dominant)
             for i, r in enumerate(rollouts)]
 
   def _terms(self, rollout: RolloutInput,
              scored: list[tuple[Operation, str, str | None]],
              rhos: list[tuple[float, float]],
              embeddings: dict[str, np.ndarray],
-             semantic_novelty: float | None) -> RewardTerms:
+             semantic_novelty: float | None,
+             batch_dominant: MemoryType | None) -> RewardTerms:
     config = self.config
     response = rollout.response
     operations = []
     for (op, _, old_text), (rho_new, rho_old) in zip(scored, rhos):
-      score = operation_score(op.action, rho_new, rho_old)
+      score = operation_score(op.action, rho_new,
+                              None if old_text is None else rho_old)
       shaped = (float(gaussian_shaping(score, config.mu, config.sigma))
                 if config.shaping == "gaussian" else score)
       operations.append(ScoredOperation(
@@ -389,10 +406,11 @@ class RewardComputer:
     excess = (float(np.mean([length_excess(len(op.new_text), op.memory_type,
                                            config) for op in writes]))
               if writes else 0.0)
-    entry_writes = [op for op in writes if op.memory_type is not MemoryType.CORE]
-    intra = self._intra_duplicate_fraction(entry_writes, embeddings)
-    cross = self._cross_duplicate_fraction(rollout.bank, entry_writes,
-                                           embeddings)
+    # Table 7 "dup-add": only additions can duplicate (an UPDATE or MERGE
+    # that restates its target is a revision, not a copy).
+    adds = [op for op in writes if op.action in (Action.ADD, Action.APPEND)]
+    intra = self._intra_duplicate_fraction(adds, embeddings)
+    cross = self._cross_duplicate_fraction(rollout.bank, adds, embeddings)
     core_generic = any(pattern.search(op.new_text) for op in writes
                        if op.memory_type is MemoryType.CORE
                        for pattern in self._generic)
@@ -408,7 +426,7 @@ class RewardComputer:
         "core": 1.0 - config.core_specificity_weight * core_generic,
     }
     total = base * math.prod(factors.values()) + skip_bonus
-    dominant = self._dominant_type(rollout.retrieval_counts) if valid else None
+    dominant = batch_dominant if valid else None
     line_weights = [
         (op.span, config.attribution_weight if op.memory_type is dominant
          else 1.0) for op in response.operations if op.span is not None]
@@ -432,7 +450,7 @@ class RewardComputer:
 
   def _intra_duplicate_fraction(self, writes: list[Operation],
                                 embeddings: dict[str, np.ndarray]) -> float:
-    """Share of entry writes that repeat an earlier write of the response."""
+    """Share of additions that repeat an earlier one of the response."""
     if not writes:
       return 0.0
     duplicates, seen_text, seen = 0, set(), []
@@ -447,10 +465,13 @@ class RewardComputer:
   def _cross_duplicate_fraction(self, bank: MemoryBank,
                                 writes: list[Operation],
                                 embeddings: dict[str, np.ndarray]) -> float:
-    """Share of entry writes that repeat an entry already in `M_{t-1}`."""
+    """Share of additions that repeat what `M_{t-1}` holds: an entry (text
+    or cosine) or, verbatim, a line of the core block."""
     if not writes:
       return 0.0
     stored_text = {normalize_text(e.text) for e in bank.entries()}
+    stored_text |= {normalize_text(line) for line in bank.core.splitlines()}
+    stored_text.discard("")
     stored = np.concatenate([bank.stores[t].vectors for t in ENTRY_TYPES])
     return sum(self._is_duplicate(op.new_text, embeddings[op.new_text],
                                   stored_text, stored)

@@ -120,7 +120,9 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array,
   ratio = jnp.exp(jnp.where(mask > 0, log_ratio, 0.0))
   clipped = jnp.clip(ratio, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
   surrogate = jnp.minimum(ratio * adv, clipped * adv)
-  objective = surrogate
+  # Attribution weights (App. D Eq. 16) scale the policy-gradient term
+  # only; the KL regulariser stays unweighted.
+  objective = surrogate * token_weights
   stats = {}
   if config.kl_beta > 0:
     if ref_logprobs is None:
@@ -128,7 +130,7 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array,
     kl = k3_kl(logprobs, jax.lax.stop_gradient(ref_logprobs))
     objective = objective - config.kl_beta * kl
     stats["kl"] = mean(kl)
-  loss = -mean(objective * token_weights)
+  loss = -mean(objective)
   stats.update(
       loss=loss,
       clip_low_frac=mean(((ratio < 1.0 - config.epsilon_low) & (adv < 0))

@@ -48,6 +48,22 @@ def test_shaping_and_routing():
   assert operation_score(Action.UPDATE, 0.3, 0.5) == pytest.approx(-0.2)
   assert operation_score(Action.REPLACE, 0.5, 0.1) == pytest.approx(0.4)
   assert operation_score(Action.REWRITE, 0.5, 0.5) == 0.0
+  # §3.3 clamps r̂ to [0, 1] before Eq. 10, so a net gain is in [-1, 1].
+  assert operation_score(Action.UPDATE, -0.8, 0.9) == pytest.approx(-0.9)
+  assert operation_score(Action.UPDATE, 0.5, -0.7) == pytest.approx(0.5)
+  assert operation_score(Action.REPLACE, -1.0, 1.0) == -1.0
+  # No old target (a REWRITE of an empty core): scored as an add.
+  assert operation_score(Action.REWRITE, 0.4, None) == pytest.approx(0.4)
+  assert operation_score(Action.REWRITE, -0.4, None) == 0.0
+
+
+def test_rewrite_of_an_empty_core_is_scored_as_new_information():
+  terms = _score("CORE:REWRITE|Owns a beagle named Rex\nEPISODIC:SKIP\n"
+                 "SEMANTIC:SKIP\nPROCEDURAL:SKIP")
+  (scored,) = terms.operations
+  assert scored.rho_old is None
+  assert scored.score == pytest.approx(
+      max(0.0, _cos(CONTEXT, "Owns a beagle named Rex")), abs=1e-6)
 
 
 def test_empty_bank_uses_cosine_and_composes_exactly():
@@ -140,8 +156,9 @@ def test_length_penalty():
 def test_intra_duplicates():
   terms = _score("CORE:APPEND|Owns Rex\nEPISODIC:ADD|Adopted Rex.\n"
                  "SEMANTIC:ADD|adopted   REX\nPROCEDURAL:SKIP")
-  assert terms.intra_duplicate_fraction == pytest.approx(0.5)
-  assert terms.intra_duplicate_factor == pytest.approx(1 - 0.3 * 0.5)
+  # Three additions (core APPEND counts), one repeats another.
+  assert terms.intra_duplicate_fraction == pytest.approx(1 / 3)
+  assert terms.intra_duplicate_factor == pytest.approx(1 - 0.3 / 3)
 
 
 def test_cross_duplicates():
@@ -149,8 +166,39 @@ def test_cross_duplicates():
   terms = _score("CORE:APPEND|Owns Rex\nEPISODIC:SKIP\n"
                  "SEMANTIC:ADD|rex - pet: Beagle\nSEMANTIC:ADD|Ana - City: Oslo\n"
                  "PROCEDURAL:SKIP", bank=bank)
-  assert terms.cross_duplicate_fraction == pytest.approx(0.5)
-  assert terms.cross_duplicate_factor == pytest.approx(0.75)
+  assert terms.cross_duplicate_fraction == pytest.approx(1 / 3)
+  assert terms.cross_duplicate_factor == pytest.approx(1 - 0.5 / 3)
+
+
+def test_only_additions_can_be_duplicates():
+  """Table 7 "dup-add": an UPDATE restating its own target, or a MERGE, is
+  a revision; an ADD of a stored entry, or an APPEND of a core line, is a
+  copy."""
+  bank = _bank("Rex - Pet: beagle", "Ana - Job: nurse")
+  bank.core = "Owns Rex"
+  revision = _score("CORE:REPLACE|Owns Rex|owns rex\nEPISODIC:SKIP\n"
+                    "SEMANTIC:UPDATE|Rex - Pet: beagle|rex - pet: Beagle\n"
+                    "SEMANTIC:MERGE|Rex - Pet: beagle|Ana - Job: nurse|"
+                    "Rex - Pet: beagle\nPROCEDURAL:SKIP", bank=bank)
+  assert revision.intra_duplicate_fraction == 0.0
+  assert revision.cross_duplicate_fraction == 0.0
+  copies = _score("CORE:APPEND|owns  REX\nEPISODIC:SKIP\n"
+                  "SEMANTIC:ADD|rex - pet: Beagle\nPROCEDURAL:SKIP", bank=bank)
+  assert copies.cross_duplicate_fraction == 1.0
+  assert copies.cross_duplicate_factor == pytest.approx(0.5)
+
+
+def test_the_dominant_type_is_counted_across_the_batch():
+  """Eq. 16: one rollout retrieved episodic most, but over the batch
+  semantic dominates, so semantic lines weigh 4 in both."""
+  text = "CORE:APPEND|Owns Rex\nEPISODIC:ADD|a\nSEMANTIC:ADD|b\nPROCEDURAL:SKIP"
+  rollouts = [RolloutInput(MemoryBank("u", ENCODER.dim), CONTEXT, parse(text),
+                           0.0, counts)
+              for counts in ({MemoryType.EPISODIC: 3, MemoryType.SEMANTIC: 1},
+                             {MemoryType.SEMANTIC: 6})]
+  first, second = RewardComputer(ENCODER)(rollouts)
+  assert first.dominant_type is second.dominant_type is MemoryType.SEMANTIC
+  assert [w for _, w in first.line_weights] == [1.0, 1.0, 4.0, 1.0]
 
 
 def test_core_specificity():

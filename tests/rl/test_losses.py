@@ -71,7 +71,8 @@ def test_kl_weights_and_masks_hand_computed():
   mask = np.array([[1, 1, 1]])
   loss, stats = _loss(logp, old, [2.0], mask, weights, config, ref)
   kl = np.exp(np.log([0.5, 1.0, 2.0])) - np.log([0.5, 1.0, 2.0]) - 1
-  want = -np.mean(weights[0] * (2.0 - 0.5 * kl))
+  # Eq. 16: the weights scale the policy-gradient term, not the KL.
+  want = -np.mean(weights[0] * 2.0 - 0.5 * kl)
   np.testing.assert_allclose(loss, want, rtol=1e-6)
   np.testing.assert_allclose(stats["kl"], kl.mean(), rtol=1e-6)
   with pytest.raises(ValueError, match="ref_logprobs"):
