@@ -90,6 +90,8 @@ def _check_memory(c: _Checker) -> None:
   c.check("memory.qa_top_k", _positive_int, "a positive integer")
   c.check("memory.chunk_budget_chars",
           lambda v: isinstance(v, int) and v >= 0, "a non-negative integer")
+  c.check("memory.source_chunks", lambda v: isinstance(v, bool),
+          "True or False")
   c.check("memory.update_match_threshold",
           lambda v: isinstance(v, float) and -1.0 <= v <= 1.0, "in [-1, 1]")
   memory = c.config.get("memory")
@@ -143,9 +145,21 @@ def memory_defaults() -> ml_collections.ConfigDict:
       "compress_target_chars": 3000,
       "build_top_k": 20,
       "qa_top_k": 10,
-      "chunk_budget_chars": 8000,
+      # Retrieval-indexed memory ("RM", §4.1): episodic/procedural hits bring
+      # their source turns to the answer model. False: flat memory, the RM
+      # ablation of Table 3.
+      "source_chunks": True,
+      # = memory.retrieval.DEFAULT_CHUNK_BUDGET_CHARS (ten ~16k-character
+      # LongMemEval sessions; Alg. 2 itself sets no budget).
+      "chunk_budget_chars": 160_000,
       "update_match_threshold": 0.9,
   })
+
+
+def qa_chunk_budget(memory: ml_collections.ConfigDict) -> int:
+  """Characters of source turns `LookupChunk` may add to a QA context
+  (0 when `memory.source_chunks` is off)."""
+  return memory.chunk_budget_chars if memory.source_chunks else 0
 
 
 def define_command_line_flags(workdir: bool = True) -> None:

@@ -46,7 +46,10 @@ def get_config() -> ml_collections.ConfigDict:
       "engine": "jax", "num_rollouts": 4, "temperature": 1.0, "top_p": 1.0,
       "max_new_tokens": 24, "max_prompt_tokens": 1024,
       "buckets": (512, 640, 768, 1024),
-      "retrieval_top_k": 20,  # 0: no retrieval index (ablation).
+      # Existing entries per type shown to the policy (Alg. 1 TopK). 0 hides
+      # the bank from the policy; it is not the "RM" ablation of Table 3
+      # (that is `memory.source_chunks=False`).
+      "retrieval_top_k": 20,
       # Grammar-constrained DSL decoding (JAX engine only): for policies too
       # small to follow the format; the paper's 4B runs are unconstrained.
       "constrained_dsl": False})

@@ -27,14 +27,11 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 
-import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from cmimem_jax.cmi.banked import banked_rho
 from cmimem_jax.cmi.conditioning import ConditioningConfig
-from cmimem_jax.cmi.kernel import normalize_inputs, normalized_residuals
 from cmimem_jax.config import register_section
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.memory.bank import MemoryBank, embed_texts
@@ -231,21 +228,30 @@ def _bucket(size: int, multiple: int) -> int:
   return max(multiple, int(math.ceil(size / multiple)) * multiple)
 
 
-def _bank_arrays(bank: MemoryBank) -> tuple[np.ndarray, np.ndarray]:
-  """All entry vectors in type order and the 2+ newest episodic positions."""
-  vectors = np.concatenate([bank.stores[t].vectors for t in ENTRY_TYPES])
+def core_lines(bank: MemoryBank) -> list[str]:
+  """The core block's non-empty lines: each is one memory of `M_{t-1}`."""
+  return [line.strip() for line in bank.core.splitlines() if line.strip()]
+
+
+def _bank_arrays(bank: MemoryBank, embeddings: dict[str, np.ndarray]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+  """The conditioning pool (§3.3: all of `M_{t-1}`, core included): entry
+  vectors in type order, then the core lines; and the newest episodic
+  positions."""
+  lines = core_lines(bank)
+  core = (np.stack([embeddings[line] for line in lines]) if lines else
+          np.zeros((0, bank.dim), np.float32))
+  vectors = np.concatenate([bank.stores[t].vectors for t in ENTRY_TYPES]
+                           + [core.astype(np.float32)])
   episodic = bank.stores[MemoryType.EPISODIC].entries
   order = sorted(range(len(episodic)),
                  key=lambda i: (episodic[i].created_step, i), reverse=True)
   return vectors, np.asarray(order, np.int64)  # Episodic is type 0.
 
 
-@jax.jit
-def _residual_norms(query: jax.Array, memories: jax.Array, mask: jax.Array,
-                    lam: jax.Array) -> jax.Array:
-  queries, memories = normalize_inputs(query[:, None], memories, mask)
-  res = normalized_residuals(queries, memories, mask, lam)[:, 0]
-  return jnp.sqrt(jnp.sum(res * res, axis=-1))
+def _session_lines(context: str) -> list[str]:
+  """The session's turns (`speaker: text` lines of `Session.format`)."""
+  return [line for line in context.splitlines() if line.strip()]
 
 
 class RewardComputer:
@@ -275,7 +281,8 @@ class RewardComputer:
     if not groups:
       return results
     members = list(groups.values())
-    bank_data = [_bank_arrays(rollouts[g[0]].bank) for g in members]
+    bank_data = [_bank_arrays(rollouts[g[0]].bank, embeddings)
+                 for g in members]
     m = _bucket(max(len(v) for v, _ in bank_data), 32)
     o = _bucket(max(sum(len(scored[i]) for i in g) for g in members), 16)
     n_recent = self.config.conditioning.n_recent
@@ -315,32 +322,41 @@ class RewardComputer:
           slot += 1
     return results
 
-  def _semantic_novelty(self, rollouts: Sequence[RolloutInput],
-                        embeddings: dict[str, np.ndarray],
-                        which: list[int]) -> dict[int, float]:
-    """|r_C|: how much of the session the semantic store leaves unexplained.
-
-    The residual norm of `e_C` against its top-k semantic entries (1 = fully
-    novel, 0 = fully explained); no semantic entries means fully novel.
+  def _semantic_skip_rho(self, rollouts: Sequence[RolloutInput],
+                         embeddings: dict[str, np.ndarray],
+                         which: list[int]) -> dict[int, float]:
+    """ρ of the session against the semantic store (SPEC §4.4), for the
+    rollouts that SKIP semantic: the largest clamped CMI
+    `ρ(C; u | M_sem)` over the session's turns `u` (its lines), i.e. what
+    the best semantic write drawn from this session would score. The
+    conditioning set is the semantic store (top-k by the App. F query; no
+    recency term), with the cosine fallback below `min_memories` entries.
     """
     if not which:
       return {}
-    k = self.config.conditioning.size
+    turns = {i: _session_lines(rollouts[i].context) for i in which}
     rows = _bucket(len(which), 8)  # Few compiled shapes across batches.
-    query = np.zeros((rows, self.encoder.dim), np.float32)
-    query[:len(which)] = [embeddings[rollouts[i].context] for i in which]
-    memories = np.zeros((rows, k, self.encoder.dim), np.float32)
-    mask = np.zeros((rows, k), bool)
-    for row, i in enumerate(which):
-      store = rollouts[i].bank.stores[MemoryType.SEMANTIC]
-      _, positions = store.search(query[row][None] / max(
-          np.linalg.norm(query[row]), 1e-12), k)
-      chosen = store.vectors[positions[0]]
-      memories[row, :len(chosen)] = chosen
-      mask[row, :len(chosen)] = True
-    norms = np.asarray(_residual_norms(query, memories, mask,
-                                       jnp.float32(self.config.lam)))
-    return {i: float(v) for i, v in zip(which, norms)}
+    stores = [rollouts[i].bank.stores[MemoryType.SEMANTIC] for i in which]
+    m = _bucket(max(len(store) for store in stores), 32)
+    o = _bucket(max(len(turns[i]) for i in which), 16)
+    dim = self.encoder.dim
+    vectors = np.zeros((rows, m, dim), np.float32)
+    valid = np.zeros((rows, m), bool)
+    ctx = np.zeros((rows, dim), np.float32)
+    new = np.zeros((rows, o, dim), np.float32)
+    for row, (i, store) in enumerate(zip(which, stores)):
+      vectors[row, :len(store)] = store.vectors
+      valid[row, :len(store)] = True
+      ctx[row] = embeddings[rollouts[i].context]
+      new[row, :len(turns[i])] = [embeddings[u] for u in turns[i]]
+    rho_new, _, _, _ = banked_rho(
+        vectors, valid, -np.ones((rows, 1), np.int64), ctx, new, new,
+        np.zeros((rows, o), bool), lam=self.config.lam,
+        config=dataclasses.replace(self.config.conditioning, n_recent=0),
+        min_memories=self.config.min_memories)
+    rho_new = np.clip(np.asarray(rho_new), 0.0, 1.0)
+    return {i: float(rho_new[row, :len(turns[i])].max(initial=0.0))
+            for row, i in enumerate(which)}
 
   # -- per-rollout terms ---------------------------------------------------
 
@@ -349,6 +365,8 @@ class RewardComputer:
     scored = [_scored_operations(r) if r.response.valid else []
               for r in rollouts]
     texts = {r.context for r in rollouts}
+    for rollout in rollouts:
+      texts.update(core_lines(rollout.bank))
     for ops in scored:
       for _, new_text, old_text in ops:
         texts.add(new_text)
@@ -358,13 +376,15 @@ class RewardComputer:
                    for op in r.response.operations
                    if op.memory_type is not MemoryType.CORE and op.writes}
     texts |= entry_texts
-    ordered = sorted(texts)
-    embeddings = dict(zip(ordered, embed_texts(self.encoder, ordered)))
-    rhos = self._rho(rollouts, scored, embeddings)
     skips = [i for i, r in enumerate(rollouts) if r.response.valid and any(
         op.memory_type is MemoryType.SEMANTIC and not op.writes
         for op in r.response.operations)]
-    novelty = self._semantic_novelty(rollouts, embeddings, skips)
+    for i in skips:
+      texts.update(_session_lines(rollouts[i].context))
+    ordered = sorted(texts)
+    embeddings = dict(zip(ordered, embed_texts(self.encoder, ordered)))
+    rhos = self._rho(rollouts, scored, embeddings)
+    skip_rho = self._semantic_skip_rho(rollouts, embeddings, skips)
     # Eq. 16: the slot retrieved most often while answering, counted over
     # the whole batch (valid rollouts), is dominant for every rollout.
     batch_counts: collections.Counter[MemoryType] = collections.Counter()
@@ -372,7 +392,7 @@ class RewardComputer:
       if rollout.response.valid:
         batch_counts.update(rollout.retrieval_counts or {})
     dominant = self._dominant_type(batch_counts)
-    return [self._terms(r, scored[i], rhos[i], embeddings, novelty.get(i),
+    return [self._terms(r, scored[i], rhos[i], embeddings, skip_rho.get(i),
                         dominant)
             for i, r in enumerate(rollouts)]
 
@@ -380,7 +400,7 @@ class RewardComputer:
              scored: list[tuple[Operation, str, str | None]],
              rhos: list[tuple[float, float]],
              embeddings: dict[str, np.ndarray],
-             semantic_novelty: float | None,
+             semantic_skip_rho: float | None,
              batch_dominant: MemoryType | None) -> RewardTerms:
     config = self.config
     response = rollout.response
@@ -414,8 +434,9 @@ class RewardComputer:
     core_generic = any(pattern.search(op.new_text) for op in writes
                        if op.memory_type is MemoryType.CORE
                        for pattern in self._generic)
-    justified = (None if semantic_novelty is None
-                 else semantic_novelty < config.mu - config.sigma)
+    # Justified when nothing in the session is novel for the semantic store.
+    justified = (None if semantic_skip_rho is None
+                 else semantic_skip_rho < config.mu - config.sigma)
     skip_bonus = (0.0 if justified is None else
                   config.semantic_skip_bonus if justified
                   else -config.semantic_skip_bonus)

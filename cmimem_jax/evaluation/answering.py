@@ -21,7 +21,8 @@ from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.client import CallResult, ChatModel
 from cmimem_jax.memory.bank import MemoryBank, embed_texts
 from cmimem_jax.memory.prompt_builder import build_answer_prompt
-from cmimem_jax.memory.retrieval import Chunk, lookup_chunks
+from cmimem_jax.memory.retrieval import (DEFAULT_CHUNK_BUDGET_CHARS, Chunk,
+                                         lookup_chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,8 @@ class MemoryContext:
   """Alg. 2 over one user's bank."""
 
   def __init__(self, bank: MemoryBank, dialogue: Dialogue, encoder: Encoder,
-               top_k: int = 10, chunk_budget_chars: int = 8000):
+               top_k: int = 10,
+               chunk_budget_chars: int = DEFAULT_CHUNK_BUDGET_CHARS):
     self.bank, self.dialogue, self.encoder = bank, dialogue, encoder
     self.top_k, self.chunk_budget_chars = top_k, chunk_budget_chars
 
@@ -61,7 +63,8 @@ class MemoryContext:
   def _context(self, question: Question, hits) -> QAContext:
     chunks = lookup_chunks(hits, self.dialogue, self.chunk_budget_chars)
     prompt = build_answer_prompt(question.question, self.bank, hits, chunks,
-                                 question.question_date)
+                                 question.question_date,
+                                 sessions=self.dialogue.sessions)
     context = "\n".join([self.bank.core] + [h.entry.text for h in hits]
                         + [c.format() for c in chunks])
     return QAContext(prompt, context, tuple(h.entry.entry_id for h in hits),

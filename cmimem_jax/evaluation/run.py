@@ -26,7 +26,8 @@ from absl import logging
 from tqdm import tqdm
 
 from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
-from cmimem_jax.config import register_section, validate_config
+from cmimem_jax.config import (qa_chunk_budget, register_section,
+                               validate_config)
 from cmimem_jax.data import (Dialogue, Question, load_dataset, path_under,
                              read_jsonl)
 from cmimem_jax.encoders import Encoder, make_encoder
@@ -121,7 +122,7 @@ def context_provider(dialogue: Dialogue, encoder: Encoder, config,
     failures["invalid_build_responses"] += stats.get("invalid_responses", 0)
     bank.save(directory)
   return MemoryContext(bank, dialogue, encoder, config.memory.qa_top_k,
-                       config.memory.chunk_budget_chars)
+                       qa_chunk_budget(config.memory))
 
 
 def text_metrics(dataset: str, question: Question, prediction: str

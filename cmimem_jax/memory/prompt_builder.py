@@ -80,14 +80,22 @@ def build_compression_prompt(core: str, limit: int = 5000,
 def build_answer_prompt(question: str, bank: MemoryBank,
                         hits: Sequence[SearchHit], chunks: Sequence[Chunk],
                         current_time: dt.datetime | str | None,
-                        additional_context: str = "") -> str:
-  """Listing 10: core + retrieved fragments + source chunks + time info."""
+                        additional_context: str = "",
+                        sessions: Sequence[Session] = ()) -> str:
+  """Listing 10: core + retrieved fragments + source chunks + time info.
+
+  `TimeInfo(R)` of Alg. 2: each fragment is stamped with the date of the
+  session it came from (`sessions`, the dialogue's), so relative times in
+  it can be resolved; "[session N]" only when that session is unknown.
+  """
   if isinstance(current_time, dt.datetime):
     current_time = current_time.strftime("%Y-%m-%d %H:%M")
   memories = []
   for hit in hits:
-    stamp = f"[session {hit.entry.session_index + 1}] "
-    memories.append(stamp + hit.entry.text)
+    index = hit.entry.session_index
+    stamp = (session_date_text(sessions[index]) if 0 <= index < len(sessions)
+             else f"session {index + 1}")
+    memories.append(f"[{stamp}] {hit.entry.text}")
   return render_template(
       "answer", additional_context=additional_context,
       core_memory=bank.core or NONE_TEXT, memories=memories,

@@ -2,19 +2,27 @@
 
 Build time: each agent sees the top-k (20) entries of its type closest to
 the session text. QA time: top-k (10) fragments over all types, and
-`LookupChunk` maps each fragment back to the dialogue turns it came from.
+`LookupChunk` maps each episodic and procedural fragment back to the
+dialogue turns it came from (§4.1: those entries are the retrieval indices;
+semantic entries are abstractions of many turns and pull none).
 Banks are per user (`MemoryStore`), so a search never crosses users.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from cmimem_jax.data.types import Dialogue, Session, Turn
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.memory.bank import MemoryBank, SearchHit, embed_texts
 from cmimem_jax.memory.types import ENTRY_TYPES, MemoryType
+
+# Entry types whose hits pull their source turns (§4.1).
+CHUNK_TYPES = (MemoryType.EPISODIC, MemoryType.PROCEDURAL)
+# Alg. 2 sets no budget; this one holds ten LongMemEval sessions (~16k
+# characters each), so it only guards against pathological banks.
+DEFAULT_CHUNK_BUDGET_CHARS = 160_000
 
 
 def retrieve_per_type(bank: MemoryBank, encoder: Encoder, text: str,
@@ -43,24 +51,29 @@ class Chunk:
 
 
 def lookup_chunks(hits: Sequence[SearchHit], dialogue: Dialogue,
-                  budget_chars: int = 8000) -> list[Chunk]:
+                  budget_chars: int = DEFAULT_CHUNK_BUDGET_CHARS,
+                  types: Collection[MemoryType] = CHUNK_TYPES) -> list[Chunk]:
   """`LookupChunk` (Alg. 2): source turns of each hit, within a budget.
 
-  Hits are visited in rank order; each contributes the turns its entry
-  records (or its whole session when it records none), merged per session
-  in dialogue order. Turns are added until `budget_chars` of turn text is
-  used; a turn that does not fit is skipped.
+  Hits of `types` are visited in rank order; each contributes the turns its
+  entry records (or its whole session when it records none), merged per
+  session in dialogue order. Turns are added until `budget_chars` of turn
+  text is used; a turn that does not fit is skipped. `budget_chars=0`
+  returns no chunks (flat memory: the RM ablation of Table 3).
 
   Returns:
     Chunks ordered by session, turns in dialogue order.
   """
+  if budget_chars <= 0:
+    return []
   turn_position = {t.turn_id: (s.index, i)
                    for s in dialogue.sessions for i, t in enumerate(s.turns)}
   chosen: dict[int, set[int]] = {}
   used = 0
   for hit in hits:
     entry = hit.entry
-    if not 0 <= entry.session_index < len(dialogue.sessions):
+    if (entry.memory_type not in types
+        or not 0 <= entry.session_index < len(dialogue.sessions)):
       continue
     session = dialogue.sessions[entry.session_index]
     positions = [turn_position[t] for t in entry.turn_ids if t in turn_position]

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 from cmimem_jax.cmi import RewardComputer, RewardConfig, RolloutInput
-from cmimem_jax.config import ConfigError, validate_config
+from cmimem_jax.config import ConfigError, qa_chunk_budget, validate_config
 from cmimem_jax.data import Dialogue, load_dataset, path_under
 from cmimem_jax.encoders import Encoder, make_encoder
 from cmimem_jax.memory import MemoryBank, lookup_chunks, parse, render
@@ -104,7 +104,7 @@ def evidence_recall(dialogue: Dialogue, bank: MemoryBank, encoder: Encoder,
     if not question.evidence:
       continue
     hits = bank.search(query, config.memory.qa_top_k)
-    chunks = lookup_chunks(hits, dialogue, config.memory.chunk_budget_chars)
+    chunks = lookup_chunks(hits, dialogue, qa_chunk_budget(config.memory))
     found = {t.turn_id for c in chunks for t in c.turns}
     recall = sum(e in found for e in question.evidence) / len(question.evidence)
     by_category[question.category].append(recall)

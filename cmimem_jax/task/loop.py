@@ -32,7 +32,8 @@ from absl import logging
 
 from cmimem_jax.client import EndpointConfig, OpenAIClient
 from cmimem_jax.cmi.reward import RewardComputer, RewardConfig
-from cmimem_jax.config import register_section, validate_config
+from cmimem_jax.config import (qa_chunk_budget, register_section,
+                               validate_config)
 from cmimem_jax.data import Dialogue, load_dataset
 from cmimem_jax.encoders import make_encoder
 from cmimem_jax.evaluation.judges import LLMJudge
@@ -133,7 +134,7 @@ def _qa_reward(config, encoder) -> QAReward:
     judge = LLMJudge(OpenAIClient(EndpointConfig.from_config(
         config.qa.judge_endpoint)), config.qa.prompt)
   return QAReward(encoder, config.qa.judge, config.qa.top_k,
-                  config.memory.chunk_budget_chars, answerer, judge)
+                  qa_chunk_budget(config.memory), answerer, judge)
 
 
 def _mean_terms(terms) -> dict[str, float]:

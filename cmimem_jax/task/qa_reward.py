@@ -13,6 +13,7 @@ from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.evaluation.answering import MemoryContext
 from cmimem_jax.evaluation.judges import LLMJudge, context_recall
 from cmimem_jax.memory.bank import MemoryBank
+from cmimem_jax.memory.retrieval import DEFAULT_CHUNK_BUDGET_CHARS
 from cmimem_jax.memory.types import MemoryType
 
 if TYPE_CHECKING:  # The episode module imports this one.
@@ -29,7 +30,7 @@ class QAReward:
   """
 
   def __init__(self, encoder: Encoder, kind: str, top_k: int = 10,
-               chunk_budget_chars: int = 8000,
+               chunk_budget_chars: int = DEFAULT_CHUNK_BUDGET_CHARS,
                answerer: ChatModel | None = None,
                judge: LLMJudge | None = None):
     if kind not in ("context_recall", "llm"):

@@ -7,6 +7,7 @@ from cmimem_jax.cmi import (RewardComputer, RewardConfig, RolloutInput,
                             banked_rho, gaussian_shaping, operation_score,
                             reward_defaults, token_weights)
 from cmimem_jax.encoders import HashingEncoder
+from cmimem_jax.encoders.neural import MiniLMEncoder, minilm_directory
 from cmimem_jax.memory import (Action, MemoryBank, MemoryType, Operation,
                                apply_operations, parse)
 
@@ -135,6 +136,26 @@ def test_rewrite_scores_against_previous_block():
                                      abs=1e-6)
 
 
+def test_core_lines_are_in_the_conditioning_set():
+  # §3.3: M_local ⊂ M_{t-1} includes the core, so re-appending a core fact
+  # is discounted (no entries here: without the core it was the cosine
+  # fallback).
+  lines = ["Owns a beagle named Rex", "Walks Rex every morning",
+           "Works as a nurse in Oslo"]
+  bank = MemoryBank("u", ENCODER.dim)
+  bank.core = "\n".join(lines) + "\n"
+  (op,) = _score(f"CORE:APPEND|{lines[0]}\n{SKIPS}", bank=bank).operations
+  pool = ENCODER.encode(lines)
+  ctx, e_new = ENCODER.encode([CONTEXT, lines[0]])
+  rho_new, _, _, mask = banked_rho(
+      pool[None], np.ones((1, 3), bool), -np.ones((1, 2), int), ctx[None],
+      e_new[None, None], e_new[None, None], np.zeros((1, 1), bool))
+  assert int(np.asarray(mask).sum()) == 3
+  assert op.rho_new == pytest.approx(float(rho_new[0, 0]), abs=1e-6)
+  assert op.rho_new == pytest.approx(0.0, abs=1e-3)  # Fully explained.
+  assert _cos(CONTEXT, lines[0]) > 0.3  # What the fallback gave.
+
+
 def test_shaping_ablation_uses_raw_scores():
   terms = _score(f"CORE:APPEND|Owns Rex\n{SKIPS}",
                  config=RewardConfig(shaping="none"))
@@ -207,16 +228,77 @@ def test_core_specificity():
   assert not _score(f"CORE:APPEND|Works night shifts\n{SKIPS}").core_generic
 
 
+DOG_SESSION = (
+    "user: I finally adopted a beagle puppy last weekend, his name is Rex.",
+    "assistant: Congratulations! How is Rex settling in?",
+    "user: Great, I walk him every morning before my nursing shift at the "
+    "hospital.",
+    "assistant: Morning walks are a great routine for beagles.")
+
+
+def _skip_terms(encoder, semantic_texts):
+  bank = MemoryBank("u", encoder.dim)
+  bank, _ = apply_operations(bank, [
+      Operation(MemoryType.SEMANTIC, Action.ADD, (t,)) for t in semantic_texts],
+      encoder, session_index=0)
+  rollout = RolloutInput(bank, "\n".join(DOG_SESSION),
+                         parse(f"CORE:APPEND|Owns Rex\n{SKIPS}"), 0.0)
+  (terms,) = RewardComputer(encoder)([rollout])
+  return terms
+
+
 def test_semantic_skip_justified_when_store_explains_session():
-  bank = _bank(CONTEXT)  # The store already holds the session verbatim.
-  terms = _score(f"CORE:APPEND|Owns Rex\n{SKIPS}", bank=bank)
+  terms = _skip_terms(ENCODER, DOG_SESSION)  # Every turn already stored.
   assert terms.semantic_skip_justified is True
   assert terms.semantic_skip_bonus == 0.1
   assert terms.total == pytest.approx(terms.base + 0.1)
   no_skip = _score("CORE:APPEND|Owns Rex\nEPISODIC:SKIP\nSEMANTIC:ADD|Rex\n"
-                   "PROCEDURAL:SKIP", bank=bank)
+                   "PROCEDURAL:SKIP")
   assert no_skip.semantic_skip_justified is None
   assert no_skip.semantic_skip_bonus == 0.0
+
+
+def test_semantic_skip_on_real_sentence_embeddings():
+  """SPEC §4.4 on all-MiniLM-L6-v2 vectors: ρ is the largest CMI of a
+  session turn against the semantic store; below μ − σ = 0.2 a SKIP is
+  justified. Stored verbatim: ρ = 0; paraphrased: partly novel; unrelated
+  facts: as novel as with an empty store."""
+  try:
+    minilm_directory()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  encoder = MiniLMEncoder(batch_size=16)
+  known = _skip_terms(encoder, DOG_SESSION)
+  paraphrased = _skip_terms(encoder, [
+      "User - Pets: adopted a beagle puppy named Rex last weekend",
+      "User - Routine: walks Rex every morning before work",
+      "User - Career: works nursing shifts at the hospital",
+      "Assistant - Advice: morning walks are a good routine for beagles"])
+  unrelated = _skip_terms(encoder, [
+      "User - Travel: visited Lisbon in 2019 and loved the trams",
+      "User - Food: allergic to peanuts",
+      "User - Music: plays jazz piano on weekends"])
+  assert known.semantic_skip_justified is True
+  assert known.semantic_skip_bonus == 0.1
+  for terms in (paraphrased, unrelated):
+    assert terms.semantic_skip_justified is False
+    assert terms.semantic_skip_bonus == -0.1
+  rho = RewardComputer(encoder)._semantic_skip_rho
+  contexts = ["\n".join(DOG_SESSION)] + list(DOG_SESSION)
+  embeddings = dict(zip(contexts, encoder.encode(contexts)))
+  values = []
+  for texts in (DOG_SESSION, ["User - Pets: adopted a beagle puppy named Rex",
+                              "User - Career: nurse at the hospital"],
+                ["User - Food: allergic to peanuts",
+                 "User - Music: plays jazz piano"]):
+    bank = MemoryBank("u", encoder.dim)
+    bank, _ = apply_operations(bank, [
+        Operation(MemoryType.SEMANTIC, Action.ADD, (t,)) for t in texts],
+        encoder, session_index=0)
+    rollout = RolloutInput(bank, contexts[0], parse(SKIPS), 0.0)
+    values.append(rho([rollout], embeddings, [0])[0])
+  assert values[0] == pytest.approx(0.0, abs=1e-3)
+  assert 0.2 < values[1] < values[2]
 
 
 def test_attribution_weights_and_tokens():

@@ -69,7 +69,10 @@ def test_answer_judge_compression(encoder):
   hits = retrieve(bank, encoder, "pets")
   answer = build_answer_prompt("What pet?", bank, hits, [],
                                dt.datetime(2023, 6, 1))
-  assert "1. [session 1] Ana - Pets: cat Tom" in answer
+  assert "1. [session 1] Ana - Pets: cat Tom" in answer  # Date unknown.
+  dated = build_answer_prompt("What pet?", bank, hits, [], "now",
+                              sessions=(SESSION, SESSION))
+  assert "1. [2023-05-08 13:56] Ana - Pets: cat Tom" in dated  # TimeInfo.
   assert "The current date/time is 2023-06-01 00:00." in answer
   assert "Supporting Original Conversations" not in answer
   judge = build_judge_prompt("q?", "gold", "gen")

@@ -46,13 +46,15 @@ def test_retrieve_ranks_by_cosine_and_filters_types(encoder):
 def test_lookup_chunks_follow_provenance(encoder):
   bank, dialogue = _bank(encoder), _dialogue()
   semantic = retrieve(bank, encoder, "dog", k=1, types=[MemoryType.SEMANTIC])
-  (chunk,) = lookup_chunks(semantic, dialogue)
+  assert lookup_chunks(semantic, dialogue) == []  # Semantic: no source turns.
+  (chunk,) = lookup_chunks(semantic, dialogue, types=[MemoryType.SEMANTIC])
   assert [t.turn_id for t in chunk.turns] == ["D1:1"]  # Its own evidence turn.
   hits = retrieve(bank, encoder, "dog tea", k=10)
   chunks = lookup_chunks(hits, dialogue)
   assert [c.session.session_id for c in chunks] == ["s1", "s2"]
   assert [t.turn_id for t in chunks[0].turns] == ["D1:1", "D1:2", "D1:3"]
   assert "[Session #1, day 1]" in chunks[0].format()
+  assert lookup_chunks(hits, dialogue, 0) == []  # Flat memory (RM ablation).
   # The budget bounds the turn text included.
   small = lookup_chunks(hits, dialogue, budget_chars=30)
   assert sum(len(t.text) for c in small for t in c.turns) <= 30
