@@ -8,10 +8,11 @@ from cmimem_jax.data.longmemeval import LONGMEMEVAL_TYPES, load_longmemeval
 from cmimem_jax.data.memoryagentbench import chunk_text, load_memoryagentbench
 from cmimem_jax.data.registry import LOADERS, bundled_path, load_dataset
 from cmimem_jax.data.schema import parse_date
-from cmimem_jax.data.types import DatasetError, Dialogue, Question, Session, Turn
+from cmimem_jax.data.types import (NOT_ANSWERABLE, DatasetError, Dialogue,
+                                   Question, Session, Turn)
 
 __all__ = [
-    "DatasetError", "Dialogue", "LOADERS", "LOCOMO_CATEGORIES", "LONGMEMEVAL_TYPES",
+    "DatasetError", "Dialogue", "LOADERS", "NOT_ANSWERABLE", "LOCOMO_CATEGORIES", "LONGMEMEVAL_TYPES",
     "Question", "Session", "Turn", "bundled_path", "chunk_text", "load_locomo",
     "load_dataset", "load_longmemeval", "load_memoryagentbench", "parse_date",
     "path_under", "read_jsonl", "rewrite_jsonl", "safe_name",

@@ -12,7 +12,8 @@ import re
 from typing import Any
 
 from cmimem_jax.data.schema import RecordReader, iter_records, parse_date_field
-from cmimem_jax.data.types import Dialogue, Question, Session, Turn
+from cmimem_jax.data.types import (NOT_ANSWERABLE, Dialogue, Question, Session,
+                                   Turn)
 
 LOCOMO_CATEGORIES: dict[int, str] = {
     1: "multi-hop",
@@ -47,10 +48,13 @@ def _load_question(qa: RecordReader, index: int, sample_id: str,
     qa.fail("category", f"unknown category {category_id!r}")
   answer = qa.get("answer", (str, int, float), required=False)
   adversarial = qa.get("adversarial_answer", (str, int, float), required=False)
-  if answer is None:
-    if adversarial is None:
-      qa.fail("answer", "missing (and no adversarial_answer)")
-    answer = adversarial
+  unanswerable = LOCOMO_CATEGORIES[category_id] == "adversarial"
+  if unanswerable:
+    # Category 5 asks about something never said; `adversarial_answer` is
+    # the planted wrong answer, so a judge must see the refusal as gold.
+    answer = NOT_ANSWERABLE
+  elif answer is None:
+    qa.fail("answer", "missing")
   evidence = qa.get_list("evidence", str, required=False)
   return Question(
       question_id=f"{sample_id}:q{index}",
@@ -64,6 +68,7 @@ def _load_question(qa: RecordReader, index: int, sample_id: str,
       evidence=tuple(part.strip() for item in evidence
                      for part in re.split(r"[;,]", item) if part.strip()),
       adversarial_answer=None if adversarial is None else str(adversarial),
+      is_abstention=unanswerable,
   )
 
 

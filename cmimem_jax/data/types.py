@@ -32,6 +32,11 @@ class DatasetError(ValueError):
     self.field = field
 
 
+# The gold of questions the history cannot answer, as Listing 10 tells the
+# answer model to reply and the Listing 11 judge then compares against.
+NOT_ANSWERABLE = "Not answerable"
+
+
 @dataclasses.dataclass(frozen=True)
 class Turn:
   """One utterance.
@@ -78,9 +83,10 @@ class Question:
       category name, MemoryAgentBench source).
     evidence: Turn ids that hold the answer, where the benchmark says.
     evidence_sessions: Session ids that hold the answer, where known.
-    adversarial_answer: LoCoMo category 5's planted wrong answer.
-    is_abstention: LongMemEval `_abs` questions (the answer is not in the
-      history).
+    adversarial_answer: LoCoMo category 5's planted wrong answer (never a
+      gold: the gold of those questions is `NOT_ANSWERABLE`).
+    is_abstention: The answer is not in the history (LongMemEval `_abs`
+      questions, LoCoMo category 5): the right reply is a refusal.
   """
   question_id: str
   question: str

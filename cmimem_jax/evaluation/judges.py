@@ -138,8 +138,12 @@ class LLMJudge:
     return score, result.text or ""
 
 
-def context_recall(question: Question, context: str) -> float:
-  """1 if any normalised gold answer occurs in the normalised context."""
+def context_recall(question: Question, context: str) -> float | None:
+  """1 if any normalised gold answer occurs in the normalised context;
+  None for questions the history cannot answer (`is_abstention`), where
+  there is no answer to look for."""
+  if question.is_abstention:
+    return None
   haystack = normalize_answer(context)
   golds = question.all_answers or (question.answer,)
   return float(any(normalize_answer(g) and normalize_answer(g) in haystack

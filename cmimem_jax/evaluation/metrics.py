@@ -127,23 +127,29 @@ def aggregate(records: Sequence[Mapping], score_key: str = "score",
               exclude_from_overall: Iterable[str] = ()) -> dict:
   """Overall, per-category and task-averaged means of scored records.
 
-  Records whose score is None (a failed judgement) are counted in
-  `failures` and left out of every mean, never scored as 0 or 1.
+  Records whose score is None are left out of every mean, never scored as
+  0 or 1: counted in `unscorable` when they say why (`"unscorable"`: the
+  metric does not apply, e.g. context recall of an unanswerable question),
+  else in `failures` (a failed judgement).
 
   Returns:
     `{"overall", "task_averaged", "by_category", "n", "scored",
-    "failures", "n_by_category", "excluded_from_overall"}`; categories in `exclude_from_overall`
+    "failures", "unscorable", "n_by_category", "excluded_from_overall"}`;
+    categories in `exclude_from_overall`
     (LoCoMo's adversarial, for its "without category 5" figure) are still
     reported per category but left out of overall and task-averaged.
   """
   excluded = set(exclude_from_overall)
   by_category: dict[str, list[float]] = collections.defaultdict(list)
   counts: dict[str, int] = collections.Counter()
-  failures = 0
+  failures = unscorable = 0
   for record in records:
     counts[record[category_key]] += 1
     if record.get(score_key) is None:
-      failures += 1
+      if record.get("unscorable"):
+        unscorable += 1
+      else:
+        failures += 1
       continue
     by_category[record[category_key]].append(float(record[score_key]))
   scores = [s for c, values in by_category.items() if c not in excluded
@@ -155,7 +161,7 @@ def aggregate(records: Sequence[Mapping], score_key: str = "score",
                             if c not in excluded),
       "by_category": categories,
       "n": len(records), "scored": sum(len(v) for v in by_category.values()),
-      "failures": failures,
+      "failures": failures, "unscorable": unscorable,
       "n_by_category": dict(sorted(counts.items())),
       "excluded_from_overall": sorted(excluded),
   }

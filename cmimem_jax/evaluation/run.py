@@ -164,6 +164,7 @@ def score_dialogue(dialogue: Dialogue, questions: list[Question],
       score, judge_note = verdicts[i]
     else:
       score, judge_note = recall, ""
+    unscorable = recall is None and config.judge.kind == "context_recall"
     record = {
         "question_id": question.question_id,
         "dialogue_id": dialogue.dialogue_id, "category": question.category,
@@ -171,7 +172,9 @@ def score_dialogue(dialogue: Dialogue, questions: list[Question],
         "prediction": predictions[i], "score": score,
         "context_recall": recall,
         "retrieved": list(context.retrieved)}
-    if score is None:
+    if unscorable:
+      record["unscorable"] = "unanswerable question: no gold to find"
+    elif score is None:
       record["error"] = judge_note
     if question.evidence:
       record["evidence_recall"] = recall_at_k(

@@ -53,8 +53,8 @@ class QAReward:
     counts = collections.Counter(types[i] for c in contexts
                                  for i in c.retrieved if i in types)
     if self.kind == "context_recall":
-      scores = [context_recall(q, c.context)
-                for q, c in zip(episode.questions, contexts)]
+      scores = [score for q, c in zip(episode.questions, contexts)
+                if (score := context_recall(q, c.context)) is not None]
     else:
       answers = self.answerer.chat_many(
           [[{"role": "user", "content": c.prompt}] for c in contexts])

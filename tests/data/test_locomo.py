@@ -55,8 +55,12 @@ def test_turns_and_questions(locomo_dialogues):
   # Non-string answers are kept as text.
   assert conv.questions[1].answer == "2022"
   adversarial = [q for q in conv.questions if q.category == "adversarial"]
-  assert all(q.adversarial_answer for q in adversarial)
-  assert adversarial[0].answer == adversarial[0].adversarial_answer
+  # Category 5: the planted answer is kept, the gold is the refusal.
+  assert all(q.adversarial_answer and q.is_abstention for q in adversarial)
+  assert {q.answer for q in adversarial} == {"Not answerable"}
+  assert adversarial[0].adversarial_answer == "self-care is important"
+  assert not any(q.is_abstention for q in conv.questions
+                 if q.category != "adversarial")
   # Image shares are kept in the text.
   assert any("[shares image:" in t.text for s in conv.sessions for t in s.turns)
 

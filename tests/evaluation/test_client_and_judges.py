@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
+from cmimem_jax.data import NOT_ANSWERABLE, load_locomo
 from cmimem_jax.data.types import Question
+from cmimem_jax.memory.prompt_builder import build_judge_prompt
 from cmimem_jax.client import EndpointConfig, OpenAIClient
 from cmimem_jax.evaluation.judges import (LLMJudge, context_recall,
                                           longmemeval_prompt,
@@ -115,3 +117,15 @@ def test_llm_judge_scores_and_counts_failures():
 def test_context_recall():
   assert context_recall(question(), "[Session 2] Caroline: I loved paris!")
   assert not context_recall(question(), "She stayed home.")
+  # Nothing to find for an unanswerable question (LoCoMo category 5).
+  refusal = question("adversarial", NOT_ANSWERABLE, abstention=True)
+  assert context_recall(refusal, "Not answerable. Paris.") is None
+
+
+def test_locomo_category_5_is_judged_against_the_refusal(locomo_path):
+  (conv,) = load_locomo(locomo_path)[:1]
+  planted = next(q for q in conv.questions if q.category == "adversarial")
+  assert planted.answer == NOT_ANSWERABLE
+  prompt = build_judge_prompt(planted.question, planted.answer,
+                              planted.adversarial_answer)
+  assert f"Gold answer: {NOT_ANSWERABLE}\nGenerated answer: " in prompt

@@ -69,9 +69,11 @@ def test_aggregate_counts_failures_and_excludes_categories():
   records = [
       {"category": "a", "score": 1.0}, {"category": "a", "score": 0.0},
       {"category": "b", "score": 1.0}, {"category": "b", "score": None},
-      {"category": "adversarial", "score": 0.0}]
+      {"category": "adversarial", "score": 0.0},
+      {"category": "adversarial", "score": None, "unscorable": "no gold"}]
   out = aggregate(records)
-  assert out["n"] == 5 and out["failures"] == 1 and out["scored"] == 4
+  assert out["n"] == 6 and out["failures"] == 1 and out["scored"] == 4
+  assert out["unscorable"] == 1
   assert out["overall"] == pytest.approx(2 / 4)
   assert out["by_category"] == {"a": 0.5, "adversarial": 0.0, "b": 1.0}
   assert out["task_averaged"] == pytest.approx(0.5)
