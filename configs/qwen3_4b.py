@@ -4,7 +4,7 @@ Qwen3-4B-Instruct-2507 policy, Qwen3-Embedding encoder (1024-d), the
 LongMemEval RL split with synthesized per-session QA (tools/synthesize_qa.py),
 an LLM QA judge. `qwen3_4b_tpu.py` and `qwen3_4b_h20_vllm.py` add only the
 fields in `HARDWARE_FIELDS`, so both compute the same rewards and losses
-(tests/test_configs.py checks this).
+(tests/test_config.py checks this).
 
 The CMI conditioning set: App. F (top-8 similar + 2 most recent episodic)
 is used, not Table 7's "15 recent / 5 top-sim" row. App. F gives the exact

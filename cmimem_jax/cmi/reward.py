@@ -48,11 +48,18 @@ DEFAULT_GENERIC_CORE_PATTERNS = (
 )
 
 
+ESTIMATORS = ("residual", "cosine")
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
   """Every constant of SPEC §4.3-4.4 (defaults: Table 7, App. D)."""
   alpha: float = 0.3
   shaping: str = "gaussian"  # "gaussian" | "none" (ablation: raw s)
+  # "residual": ρ on the local conditioning set (§3.3, the method);
+  # "cosine": unconditional cos(e_C, e_new) for every operation (Table 9
+  # "w. emb", our reading of it; the App. E log-prob estimator is not built).
+  estimator: str = "residual"
   mu: float = 0.35
   sigma: float = 0.15
   lam: float = 1e-4
@@ -78,6 +85,9 @@ class RewardConfig:
     if self.shaping not in ("gaussian", "none"):
       raise ValueError(f"shaping must be 'gaussian' or 'none', got "
                        f"{self.shaping!r}")
+    if self.estimator not in ESTIMATORS:
+      raise ValueError(f"estimator must be one of {ESTIMATORS}, got "
+                       f"{self.estimator!r}")
     if not 0.0 <= self.alpha <= 1.0:
       raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
     if self.sigma <= 0 or self.lam <= 0:
@@ -249,6 +259,14 @@ def _bank_arrays(bank: MemoryBank, embeddings: dict[str, np.ndarray]
   return vectors, np.asarray(order, np.int64)  # Episodic is type 0.
 
 
+def _cosines(context: np.ndarray, texts: np.ndarray) -> np.ndarray:
+  """`[Bk, O]` cos(e_C, e_text) of `[Bk, d]` contexts and `[Bk, O, d]` texts
+  (zero rows give 0)."""
+  unit = lambda x: x / np.maximum(  # noqa: E731
+      np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+  return np.einsum("bd,bod->bo", unit(context), unit(texts))
+
+
 def _session_lines(context: str) -> list[str]:
   """The session's turns (`speaker: text` lines of `Session.format`)."""
   return [line for line in context.splitlines() if line.strip()]
@@ -309,11 +327,14 @@ class RewardComputer:
             old[b, slot] = embeddings[old_text]
             has_old[b, slot] = op.action in (Action.UPDATE, Action.REPLACE)
           slot += 1
-    rho_new, rho_old, _, _ = banked_rho(
-        vectors, valid, recent, ctx, new, old, has_old, lam=self.config.lam,
-        config=self.config.conditioning,
-        min_memories=self.config.min_memories)
-    rho_new, rho_old = np.asarray(rho_new), np.asarray(rho_old)
+    if self.config.estimator == "cosine":
+      rho_new, rho_old = _cosines(ctx, new), _cosines(ctx, old)
+    else:
+      rho_new, rho_old, _, _ = banked_rho(
+          vectors, valid, recent, ctx, new, old, has_old, lam=self.config.lam,
+          config=self.config.conditioning,
+          min_memories=self.config.min_memories)
+      rho_new, rho_old = np.asarray(rho_new), np.asarray(rho_old)
     for b, group in enumerate(members):
       slot = 0
       for i in group:

@@ -156,6 +156,23 @@ def test_core_lines_are_in_the_conditioning_set():
   assert _cos(CONTEXT, lines[0]) > 0.3  # What the fallback gave.
 
 
+def test_cosine_estimator_ignores_the_bank():
+  """Table 9 "w. emb": ρ = cos(e_C, e_new) even with a conditioning set."""
+  bank = _bank("Rex - Pet: a dog", "Rex - Walks: every morning",
+               "Ana - Job: nurse")
+  new = "Rex - Pet: a three year old beagle"
+  text = f"CORE:APPEND|Owns Rex\nEPISODIC:SKIP\nSEMANTIC:ADD|{new}\n" \
+         "PROCEDURAL:SKIP"
+  cosine = _score(text, bank=bank, config=RewardConfig(estimator="cosine"))
+  residual = _score(text, bank=bank)
+  assert [o.rho_new for o in cosine.operations] == pytest.approx(
+      [_cos(CONTEXT, "Owns Rex"), _cos(CONTEXT, new)], abs=1e-6)
+  assert cosine.operations[1].rho_new != pytest.approx(
+      residual.operations[1].rho_new, abs=1e-3)
+  with pytest.raises(ValueError, match="estimator"):
+    RewardConfig(estimator="logprob")
+
+
 def test_shaping_ablation_uses_raw_scores():
   terms = _score(f"CORE:APPEND|Owns Rex\n{SKIPS}",
                  config=RewardConfig(shaping="none"))

@@ -1,0 +1,12 @@
+"""Table 3 "+CMI": GRPO on the CMI reward alone, flat memory."""
+
+import ml_collections
+
+from configs.ablations import FLAT_MEMORY, derive
+
+PAPER_ROW = ("table3", "+CMI")  # tools/compare_paper.py
+CHANGES = {"reward.alpha": 1.0, **FLAT_MEMORY}
+
+
+def get_config() -> ml_collections.ConfigDict:
+  return derive(CHANGES)

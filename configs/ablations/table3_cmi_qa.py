@@ -1,0 +1,12 @@
+"""Table 3 "+CMI+QA": the full reward, flat memory."""
+
+import ml_collections
+
+from configs.ablations import FLAT_MEMORY, derive
+
+PAPER_ROW = ("table3", "+CMI+QA")  # tools/compare_paper.py
+CHANGES = FLAT_MEMORY
+
+
+def get_config() -> ml_collections.ConfigDict:
+  return derive(CHANGES)

@@ -1,0 +1,12 @@
+"""Table 3 / Table 9 "CMI-Mem (full)": the base config itself."""
+
+import ml_collections
+
+from configs.ablations import derive
+
+PAPER_ROW = ("table3", "CMI-Mem (full)")  # tools/compare_paper.py
+CHANGES = {}
+
+
+def get_config() -> ml_collections.ConfigDict:
+  return derive(CHANGES)

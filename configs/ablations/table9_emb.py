@@ -1,0 +1,13 @@
+"""Table 9 "w. emb": unconditional embedding cosine as the CMI estimate
+(our reading: the full method is already embedding-based)."""
+
+import ml_collections
+
+from configs.ablations import derive
+
+PAPER_ROW = ("table9", "w. emb")  # tools/compare_paper.py
+CHANGES = {"reward.estimator": "cosine"}
+
+
+def get_config() -> ml_collections.ConfigDict:
+  return derive(CHANGES)

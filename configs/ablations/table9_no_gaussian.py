@@ -1,0 +1,12 @@
+"""Table 9 "w/o Gaussian": raw per-operation scores, no Eq. 11 shaping."""
+
+import ml_collections
+
+from configs.ablations import derive
+
+PAPER_ROW = ("table9", "w/o Gaussian")  # tools/compare_paper.py
+CHANGES = {"reward.shaping": "none"}
+
+
+def get_config() -> ml_collections.ConfigDict:
+  return derive(CHANGES)

@@ -1,0 +1,47 @@
+"""Our evaluation results beside the paper's published numbers.
+
+  python tools/compare_paper.py --results=/tmp/eval_locomo[,/tmp/eval_lme] \
+      [--format=markdown|json] [--out=FILE]
+
+Each DIR is an `python -m cmimem_jax.evaluate` workdir (`results.json`,
+`settings.json`). For every paper table that reports its benchmark
+(Table 1 for LoCoMo; Tables 1, 3 and 9 for LongMemEval) it prints the
+paper's rows, ours, the difference to the reference row (the matching RAG
+row for a `rag` run, else CMI-Mem), and the settings under the table, with
+those that differ from the paper's marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from cmimem_jax.evaluation.paper import (OurResult, compare,  # noqa: E402
+                                         to_markdown)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--results", required=True,
+                      help="evaluation workdirs, comma separated")
+  parser.add_argument("--format", choices=("markdown", "json"),
+                      default="markdown")
+  parser.add_argument("--out", default="", help="also write to this file")
+  args = parser.parse_args(argv)
+  ours = [OurResult.load(d) for d in args.results.split(",") if d]
+  comparisons = compare(ours)
+  text = (to_markdown(comparisons) if args.format == "markdown"
+          else json.dumps(comparisons, indent=1) + "\n")
+  sys.stdout.write(text)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(text)
+  return comparisons
+
+
+if __name__ == "__main__":
+  main()
