@@ -50,7 +50,8 @@ from cmimem_jax.sampling import (ChatPolicy, TokenConstraint, load_policy,
                                  load_tokenizer, special_ids)
 from cmimem_jax.sampling.vllm_engine import (VLLMEngine, checkpoint_dir,
                                              import_vllm)
-from cmimem_jax.task.curriculum import Curriculum, SessionRef, difficulty
+from cmimem_jax.task.curriculum import (Curriculum, SessionRef,
+                                        candidate_fragments, difficulty)
 from cmimem_jax.task.episode import (Episode, attribution_weights,
                                      policy_messages, score_rollouts,
                                      session_questions)
@@ -122,8 +123,9 @@ def _training_sessions(dialogues: list[Dialogue], weights) -> list[SessionRef]:
     for session in dialogue.sessions:
       questions = session_questions(dialogue, session)
       if questions:  # Sessions without QA pairs give no QA reward.
+        fragments = candidate_fragments([t.text for t in session.turns])
         refs.append(SessionRef(d, session.index, difficulty(
-            session.index, len(session.turns), len(questions), weights)))
+            session.index, fragments, len(questions), weights)))
   return refs
 
 
@@ -207,7 +209,7 @@ class Trainer:
                                    self.mesh, constraint=self.constraint)
     self.curriculum = Curriculum(
         _training_sessions(self.dialogues, tuple(rl.curriculum_weights)),
-        rl.sessions_per_batch, rl.curriculum_tiers)
+        rl.sessions_per_batch, rl.curriculum_tiers, max(1, rl.epochs))
     self.total_steps = rl.max_steps or (
         rl.epochs * self.curriculum.steps_per_epoch)
     self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
