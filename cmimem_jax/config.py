@@ -92,6 +92,8 @@ def _check_memory(c: _Checker) -> None:
           lambda v: isinstance(v, int) and v >= 0, "a non-negative integer")
   c.check("memory.source_chunks", lambda v: isinstance(v, bool),
           "True or False")
+  c.check("memory.compressor", lambda v: v in CORE_COMPRESSORS,
+          f"one of {CORE_COMPRESSORS}")
   c.check("memory.update_match_threshold",
           lambda v: isinstance(v, float) and -1.0 <= v <= 1.0, "in [-1, 1]")
   memory = c.config.get("memory")
@@ -137,6 +139,10 @@ def validate_config(config: ml_collections.ConfigDict,
     raise ConfigError("invalid config:\n  " + "\n  ".join(checker.problems))
 
 
+# Who compresses the core block (`memory.compression.core_compressor`).
+CORE_COMPRESSORS = ("none", "policy", "answer")
+
+
 def memory_defaults() -> ml_collections.ConfigDict:
   """Table 6 memory settings, shared by every config file."""
   return ml_collections.ConfigDict({
@@ -153,6 +159,9 @@ def memory_defaults() -> ml_collections.ConfigDict:
       # LongMemEval sessions; Alg. 2 itself sets no budget).
       "chunk_budget_chars": 160_000,
       "update_match_threshold": 0.9,
+      # Listing 5 over the cap: "policy" (the model building memories),
+      # "answer" (the QA answer model) or "none" (keep the newest lines).
+      "compressor": "none",
   })
 
 

@@ -39,8 +39,10 @@ from cmimem_jax.evaluation.metrics import (aggregate, best_over_golds,
                                            locomo_f1, recall_at_k,
                                            rouge_l_f1, substring_exact_match,
                                            token_f1)
+from cmimem_jax.memory.apply import Compressor
 from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.builder import build_bank
+from cmimem_jax.memory.compression import core_compressor
 from cmimem_jax.memory.dsl import response_regex
 
 
@@ -104,7 +106,8 @@ def make_chat_model(section: Any, constraint_regex: str | None = None
 
 def context_provider(dialogue: Dialogue, encoder: Encoder, config,
                      workdir: str, builder: ChatModel | None,
-                     failures: collections.Counter):
+                     failures: collections.Counter,
+                     compressor: Compressor | None = None):
   if config.method == "rag":
     return TurnRAG(dialogue, encoder, config.rag_top_k)
   directory = path_under(workdir, "banks", config.method,
@@ -116,10 +119,14 @@ def context_provider(dialogue: Dialogue, encoder: Encoder, config,
     respond = make[config.method](builder, encoder,
                                   config.memory.build_top_k,
                                   failures=failures)
-    bank, stats, _ = build_bank(dialogue, encoder, respond, config.memory)
+    bank, stats, _ = build_bank(dialogue, encoder, respond, config.memory,
+                                compressor=compressor)
     logging.info("%s: built %d entries %s", dialogue.dialogue_id, len(bank),
                  stats)
     failures["invalid_build_responses"] += stats.get("invalid_responses", 0)
+    for key in ("core_compression_failures", "core_truncations"):
+      if stats.get(key):  # Listed only when it happened.
+        failures[key] += stats[key]
     bank.save(directory)
   return MemoryContext(bank, dialogue, encoder, config.memory.qa_top_k,
                        qa_chunk_budget(config.memory))
@@ -309,6 +316,9 @@ def evaluate(config, workdir: str) -> dict:
                    and config.builder.constrained_dsl)
     builder = make_chat_model(config.builder,
                               response_regex() if constrained else None)
+  compressor = (core_compressor(config.memory, {"policy": builder,
+                                                "answer": answerer})
+                if builder is not None else None)
   judge = None
   if config.judge.kind == "llm":
     judge = LLMJudge(OpenAIClient(EndpointConfig.from_config(
@@ -329,7 +339,7 @@ def evaluate(config, workdir: str) -> dict:
       if not questions:
         continue
       provider = context_provider(dialogue, encoder, config, workdir, builder,
-                                  failures)
+                                  failures, compressor)
       step = wave or len(questions)
       for start in range(0, len(questions), step):
         for record in score_dialogue(dialogue, questions[start:start + step],

@@ -52,6 +52,8 @@ class ApplyReport:
     compressed: Whether the core block was compressed.
     compression_failures: Compressor calls that raised (fell back to
       keeping the most recent lines).
+    truncated: The core kept only its newest lines (no compressor, or it
+      failed): older core facts were dropped.
   """
   applied: bool = True
   errors: list[str] = dataclasses.field(default_factory=list)
@@ -59,6 +61,7 @@ class ApplyReport:
   entry_ids: list[str | None] = dataclasses.field(default_factory=list)
   compressed: bool = False
   compression_failures: int = 0
+  truncated: bool = False
 
 
 def keep_recent_lines(text: str, limit: int) -> str:
@@ -92,6 +95,7 @@ def _compress_core(core: str, config: CoreConfig,
       report.compression_failures += 1
       logging.warning("core compression failed (%s); keeping recent lines", e)
       report.flags.append(f"core compression failed: {e}")
+  report.truncated = True
   return keep_recent_lines(core, config.compress_target_chars)
 
 

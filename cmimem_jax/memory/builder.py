@@ -11,7 +11,8 @@ from typing import Any
 
 from cmimem_jax.data.types import Dialogue, Session
 from cmimem_jax.encoders.base import Encoder
-from cmimem_jax.memory.apply import CoreConfig, apply_response
+from cmimem_jax.memory.apply import (ApplyReport, Compressor, CoreConfig,
+                                     apply_response)
 from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.dsl import ParsedResponse
 
@@ -33,8 +34,20 @@ def core_config(memory: Any) -> CoreConfig:
                     memory.compress_target_chars)
 
 
+def count_core_compression(stats: collections.Counter[str],
+                           report: ApplyReport) -> None:
+  """Adds what compressing the core did to `stats` (zeros left out)."""
+  for key, value in (("core_compressions", report.compressed),
+                     ("core_compression_failures",
+                      report.compression_failures),
+                     ("core_truncations", report.truncated)):
+    if value:
+      stats[key] += int(value)
+
+
 def build_bank(dialogue: Dialogue, encoder: Encoder, respond: Responder,
-               memory: Any, on_step: Callable[[BuildStep], None] | None = None
+               memory: Any, on_step: Callable[[BuildStep], None] | None = None,
+               compressor: Compressor | None = None
                ) -> tuple[MemoryBank, dict[str, int], list[BuildStep]]:
   """Runs `respond` over every session of `dialogue` from an empty bank.
 
@@ -61,8 +74,9 @@ def build_bank(dialogue: Dialogue, encoder: Encoder, respond: Responder,
     bank, report = apply_response(
         bank, response, encoder, session_index=session.index,
         turn_ids=tuple(t.turn_id for t in session.turns), core_config=config,
+        compressor=compressor,
         update_match_threshold=memory.update_match_threshold)
     stats["operations"] += len(response.operations)
     stats["flags"] += len(report.flags)
-    stats["core_compressions"] += report.compressed
+    count_core_compression(stats, report)
   return bank, dict(stats), steps

@@ -124,6 +124,9 @@ def run(config, workdir: str | None) -> dict[str, dict]:
   validate_config(config, required=("dataset", "encoder", "memory", "reward"))
   if config.policy not in POLICIES:
     raise ConfigError(f"policy must be one of {sorted(POLICIES)}")
+  if config.memory.compressor != "none":
+    raise ConfigError(f"memory.compressor={config.memory.compressor!r}: "
+                      "build_memory runs no chat model; use 'none'")
   encoder = make_encoder(config.encoder)
   dialogues = load_dataset(config.dataset.name, config.dataset.path)
   summary = {}

@@ -37,6 +37,7 @@ from cmimem_jax.config import (qa_chunk_budget, register_section,
 from cmimem_jax.data import Dialogue, load_dataset
 from cmimem_jax.encoders import make_encoder
 from cmimem_jax.evaluation.judges import LLMJudge
+from cmimem_jax.memory.compression import core_compressor
 from cmimem_jax.memory.dsl import response_regex
 from cmimem_jax.models.qwen3.params import save_hf
 from cmimem_jax.parallel import (initialize_distributed, make_mesh,
@@ -85,6 +86,9 @@ def _check_training(c) -> None:
           "context_recall or llm")
   c.check("policy.source", lambda v: v in ("random", "gguf", "hf"),
           "random, gguf or hf")
+  if c.get("memory.compressor") == "answer" and c.get("qa.judge") != "llm":
+    c.problems.append("memory.compressor='answer' needs qa.judge='llm' (the "
+                      "answer model is its endpoint)")
   try:
     loss = GRPOLossConfig(c.get("rl.epsilon_low"), c.get("rl.epsilon_high"),
                           c.get("rl.kl_beta"))
@@ -230,6 +234,8 @@ class Trainer:
     self.reward = RewardComputer(self.encoder,
                                  RewardConfig.from_config(config.reward))
     self.qa = _qa_reward(config, self.encoder)
+    self.compressor = core_compressor(
+        config.memory, {"policy": self.policy, "answer": self.qa.answerer})
     self.snapshots = self._snapshots(self.loop["snapshot_version"])
 
   # -- snapshots -------------------------------------------------------------
@@ -245,7 +251,8 @@ class Trainer:
       start = time.perf_counter()
       banks = build_snapshots(self.dialogues, self._respond, self.encoder,
                               self.config.memory,
-                              self.config.rollout.retrieval_top_k)
+                              self.config.rollout.retrieval_top_k,
+                              self.compressor)
       save_snapshots(directory, banks)
       logging.info("built snapshots v%d in %.1f s", version,
                    time.perf_counter() - start)
@@ -299,8 +306,10 @@ class Trainer:
     texts = [self.policy.decode(c) for c in completions]
     start = time.perf_counter()
     failures_before = sum(self.qa.failures.values())
+    compression: collections.Counter[str] = collections.Counter()
     _, terms = score_rollouts(episodes, texts, self.group, self.encoder,
-                              self.config.memory, self.qa, self.reward)
+                              self.config.memory, self.qa, self.reward,
+                              self.compressor, compression)
     reward_s = time.perf_counter() - start
     rewards = np.array([t.reward for t in terms])
     # A NaN / inf reward (e.g. from a QA score) makes its rollout invalid:
@@ -332,6 +341,9 @@ class Trainer:
         nonfinite_rewards=int((~finite).sum()),
         response_tokens_mean=float(np.mean(out.lengths)),
         qa_failures=sum(self.qa.failures.values()) - failures_before,
+        **{key: compression[key] for key in (
+            "core_compressions", "core_compression_failures",
+            "core_truncations")},
         sample_s=sample_s, reward_s=reward_s,
         sessions=[f"{self.dialogues[r.dialogue].dialogue_id}/{r.session}"
                   for r in refs])
