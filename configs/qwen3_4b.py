@@ -28,7 +28,8 @@ HARDWARE_FIELDS = (
 
 def get_config() -> ml_collections.ConfigDict:
   config = tiny.get_config()
-  config.dataset.update({"name": "longmemeval", "path": ""})
+  # The RL split (Table 5: 50 dialogues) with synthesized per-session QA.
+  config.dataset.update({"name": "longmemeval", "path": "", "split": "rl"})
   config.encoder.update({"kind": "qwen3_embedding", "dim": 1024, "path": ""})
   config.policy.update({
       "source": "hf", "path": "", "tokenizer": "",

@@ -28,7 +28,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.mesh = "data:-1"  # AXIS:SIZE over data/fsdp/tensor; -1 = the rest.
   config.tensorboard = True
   config.dataset = ml_collections.ConfigDict({
-      "name": "longmemeval", "path": bundled_path(), "dialogues": 0})
+      "name": "longmemeval", "path": bundled_path(), "dialogues": 0,
+      # LongMemEval's sft | rl | test partition, or all ("": all).
+      "split": ""})
   config.encoder = ml_collections.ConfigDict(
       {"kind": "hashing", "dim": 64, "path": ""})
   config.memory = memory_defaults()

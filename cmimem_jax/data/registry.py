@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+from typing import Any
 
 from cmimem_jax.data.locomo import load_locomo
 from cmimem_jax.data.longmemeval import load_longmemeval
@@ -16,11 +19,59 @@ LOADERS = {
 }
 
 
-def load_dataset(name: str, path: str) -> list[Dialogue]:
-  """Dispatches to `load_<name>(path)`."""
+# LongMemEval's official question-id partitions (Table 5: 50 SFT, 50 RL,
+# 400 test), bundled as `longmemeval_splits.json`.
+LONGMEMEVAL_SPLITS = ("sft", "rl", "test")
+
+
+@functools.cache
+def longmemeval_split_ids(split: str) -> frozenset[str]:
+  """The question ids of one LongMemEval split."""
+  if split not in LONGMEMEVAL_SPLITS:
+    raise ValueError(f"unknown LongMemEval split {split!r}; known: "
+                     f"{LONGMEMEVAL_SPLITS}")
+  with open(bundled_path("longmemeval_splits.json")) as f:
+    return frozenset(json.load(f)[split])
+
+
+def default_split(name: str, job: str) -> str:
+  """`dataset.split=""`: evaluation of LongMemEval reads its 400-question
+  test split (the paper's protocol); everything else reads the whole file."""
+  return "test" if name == "longmemeval" and job == "evaluate" else "all"
+
+
+def configured_split(dataset: Any, job: str) -> str:
+  """The split a `dataset` config section selects for `job`."""
+  return dataset.get("split", "") or default_split(dataset.name, job)
+
+
+def load_configured(dataset: Any, job: str) -> list[Dialogue]:
+  """The dialogues a `dataset` config section names (`name`, `path`,
+  `split`) for `job` ("train", "evaluate", "build_memory")."""
+  return load_dataset(dataset.name, dataset.path, configured_split(dataset, job))
+
+
+def load_dataset(name: str, path: str, split: str = "all") -> list[Dialogue]:
+  """Dispatches to `load_<name>(path)`; `split` (LongMemEval only) keeps
+  the dialogues whose question id is in that split.
+
+  Raises:
+    ValueError: unknown dataset or split, a split of another dataset, or a
+      split no dialogue of the file belongs to.
+  """
   if name not in LOADERS:
     raise ValueError(f"unknown dataset {name!r}; known: {sorted(LOADERS)}")
-  return LOADERS[name](path)
+  dialogues = LOADERS[name](path)
+  if split == "all":
+    return dialogues
+  if name != "longmemeval":
+    raise ValueError(f"dataset.split={split!r}: only LongMemEval has splits")
+  ids = longmemeval_split_ids(split)
+  kept = [d for d in dialogues if d.dialogue_id in ids]
+  if not kept:
+    raise ValueError(f"no dialogue of {path} is in the LongMemEval {split!r} "
+                     "split (set dataset.split='all' to read the whole file)")
+  return kept
 
 
 def bundled_path(name: str = "longmemeval_train_sample.json") -> str:

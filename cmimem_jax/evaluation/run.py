@@ -28,13 +28,15 @@ from tqdm import tqdm
 from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
 from cmimem_jax.config import (qa_chunk_budget, register_section,
                                validate_config)
-from cmimem_jax.data import (Dialogue, Question, load_dataset, path_under,
-                             read_jsonl)
+from cmimem_jax.data import (Dialogue, Question, configured_split,
+                             load_configured, path_under, read_jsonl)
 from cmimem_jax.encoders import Encoder, make_encoder
 from cmimem_jax.evaluation.answering import (MemoryContext, QAContext, TurnRAG,
                                              answer_many)
 from cmimem_jax.evaluation.builders import agents_responder, policy_responder
 from cmimem_jax.evaluation.judges import LLMJudge, context_recall
+from cmimem_jax.evaluation.memoryagentbench import (
+    recommendation_recall_at_5, table2_scores, table17_column)
 from cmimem_jax.evaluation.metrics import (aggregate, best_over_golds,
                                            locomo_f1, recall_at_k,
                                            rouge_l_f1, substring_exact_match,
@@ -139,11 +141,14 @@ def text_metrics(dataset: str, question: Question, prediction: str
   if dataset == "locomo":
     return {"f1": locomo_f1(prediction, question.answer, question.category)}
   if dataset == "memoryagentbench":
-    return {
+    metrics = {
         "substring_exact_match": best_over_golds(substring_exact_match,
                                                  prediction, golds),
         "f1": best_over_golds(token_f1, prediction, golds),
         "rouge_l_f1": best_over_golds(rouge_l_f1, prediction, golds)}
+    if (table17_column(question.category) or ("", ""))[1] == "recall_at_5":
+      metrics["recall_at_5"] = recommendation_recall_at_5(prediction, golds)
+    return metrics
   return {}
 
 
@@ -218,6 +223,7 @@ def result_settings(config) -> dict[str, Any]:
   settings = {
       "dataset": config.dataset.name,
       "dataset_file": os.path.basename(config.dataset.path),
+      "split": configured_split(config.dataset, "evaluate"),
       "method": config.method,
       "rag_top_k": config.rag_top_k if config.method == "rag" else None,
       "encoder": config.encoder.to_dict(), "memory": config.memory.to_dict(),
@@ -271,11 +277,13 @@ def summarize(records: list[dict], config, failures: dict) -> dict:
     result["without_adversarial"] = aggregate(
         records, exclude_from_overall=excluded)["overall"]
   for metric in ("f1", "evidence_recall", "context_recall",
-                 "substring_exact_match", "rouge_l_f1"):
+                 "substring_exact_match", "rouge_l_f1", "recall_at_5"):
     scored = [r for r in records if r.get(metric) is not None]
     if scored:
       result[metric] = aggregate(scored, score_key=metric,
                                  exclude_from_overall=excluded)
+  if config.dataset.name == "memoryagentbench":
+    result["table2"] = table2_scores(records)
   result["call_failures"] = failures
   return result
 
@@ -286,7 +294,7 @@ def evaluate(config, workdir: str) -> dict:
   validate_config(config, required=("dataset", "encoder", "memory", "judge",
                                     "answer", "builder"))
   os.makedirs(workdir, exist_ok=True)
-  dialogues = load_dataset(config.dataset.name, config.dataset.path)
+  dialogues = load_configured(config.dataset, "evaluate")
   dialogues = dialogues[config.dataset.get("start", 0):]
   if config.dataset.dialogues:
     dialogues = dialogues[:config.dataset.dialogues]

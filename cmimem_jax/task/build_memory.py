@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 from cmimem_jax.cmi import RewardComputer, RewardConfig, RolloutInput
 from cmimem_jax.config import ConfigError, qa_chunk_budget, validate_config
-from cmimem_jax.data import Dialogue, load_dataset, path_under
+from cmimem_jax.data import Dialogue, load_configured, path_under
 from cmimem_jax.encoders import Encoder, make_encoder
 from cmimem_jax.memory import MemoryBank, lookup_chunks, parse, render
 from cmimem_jax.memory.annotations import locomo_annotation_operations
@@ -128,7 +128,7 @@ def run(config, workdir: str | None) -> dict[str, dict]:
     raise ConfigError(f"memory.compressor={config.memory.compressor!r}: "
                       "build_memory runs no chat model; use 'none'")
   encoder = make_encoder(config.encoder)
-  dialogues = load_dataset(config.dataset.name, config.dataset.path)
+  dialogues = load_configured(config.dataset, "build_memory")
   summary = {}
   for dialogue in dialogues[:config.dataset.dialogues]:
     start = time.perf_counter()

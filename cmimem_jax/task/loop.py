@@ -34,7 +34,7 @@ from cmimem_jax.client import EndpointConfig, OpenAIClient
 from cmimem_jax.cmi.reward import RewardComputer, RewardConfig
 from cmimem_jax.config import (qa_chunk_budget, register_section,
                                validate_config)
-from cmimem_jax.data import Dialogue, load_dataset
+from cmimem_jax.data import Dialogue, load_configured
 from cmimem_jax.encoders import make_encoder
 from cmimem_jax.evaluation.judges import LLMJudge
 from cmimem_jax.memory.compression import core_compressor
@@ -165,7 +165,7 @@ class Trainer:
     self.config, self.workdir = config, workdir
     os.makedirs(workdir, exist_ok=True)
     self.mesh = make_mesh(config.mesh)
-    dialogues = load_dataset(config.dataset.name, config.dataset.path)
+    dialogues = load_configured(config.dataset, "train")
     self.dialogues = dialogues[:config.dataset.dialogues or None]
     self.encoder = make_encoder(config.encoder)
     tokenizer = load_tokenizer(config.policy.tokenizer)

@@ -70,9 +70,25 @@ def test_longmemeval_result_is_compared_in_tables_1_3_and_9():
   markdown = to_markdown([table3])
   assert "| **ours: lme** | **50.00** | **50.00** | **25.00** |" in markdown
   assert "| CMI-Mem (full) (reference) | 68.50 |" in markdown
-  with pytest.raises(ValueError, match="memoryagentbench"):
-    compare([OurResult("mab", {"dataset": "memoryagentbench",
-                               "overall": 0.1}, {})])
+  with pytest.raises(ValueError, match="squad"):
+    compare([OurResult("q", {"dataset": "squad", "overall": 0.1}, {})])
+
+
+def test_memoryagentbench_is_compared_on_table_2_columns():
+  table2 = {"AR/SH-QA": 0.5, "AR/MH-QA": 0.25, "AR/LME(S*)": 0.5,
+            "AR/EventQA": 0.75, "AR": 0.5, "n": {"AR/SH-QA": 4}}
+  ours = OurResult("mab", {"dataset": "memoryagentbench", "overall": 0.3,
+                           "table2": table2}, {})
+  (item,) = compare([ours])  # No Overall yet: Table 1 is left out.
+  assert item["table"] == "table2"
+  assert item["columns"] == ["AR/SH-QA", "AR/MH-QA", "AR/LME(S*)",
+                             "AR/EventQA", "AR"]
+  assert item["difference"]["AR"] == pytest.approx(50.0 - 70.5)
+  full = {**table2, "TTL": 0.1, "LRU": 0.2, "SF": 0.3, "Overall": 0.275}
+  items = compare([OurResult("mab", {"dataset": "memoryagentbench",
+                                     "overall": 0.3, "table2": full}, {})])
+  assert [i["table"] for i in items] == ["table1", "table2"]
+  assert items[0]["ours"] == {"MABench": pytest.approx(27.5)}
 
 
 def test_cli_on_a_locomo_rag_run(locomo_path, tmp_path, capsys):
