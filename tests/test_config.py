@@ -105,5 +105,4 @@ def test_every_ablation_row_of_tables_3_and_9_has_a_config():
   # Table 9's "CMI-Mem (full)" is Table 3's (the same run).
   wanted = {(t, r["variant"]) for t in ("table3", "table9")
             for r in paper_rows(t)} - {("table9", "CMI-Mem (full)")}
-  # The App. E log-prob estimator is not built (README, deviations).
-  assert wanted - covered == {("table9", "w. logprob")}
+  assert wanted == covered

@@ -6,14 +6,15 @@
 from cmimem_jax.cmi.banked import banked_rho
 from cmimem_jax.cmi.conditioning import ConditioningConfig, conditioning_sets
 from cmimem_jax.cmi.kernel import residual_cmi, residual_cmi_unchecked
+from cmimem_jax.cmi.logprob import PolicyProfileLM, ProfileLM, memory_text
 from cmimem_jax.cmi.reward import (RewardComputer, RewardConfig, RewardTerms,
                                    RolloutInput, gaussian_shaping,
                                    operation_score, reward_defaults,
                                    token_weights)
 
 __all__ = [
-    "ConditioningConfig", "RewardComputer", "RewardConfig", "RewardTerms",
+    "ConditioningConfig", "PolicyProfileLM", "ProfileLM", "RewardComputer", "RewardConfig", "RewardTerms",
     "RolloutInput", "banked_rho", "conditioning_sets", "gaussian_shaping",
-    "operation_score", "residual_cmi", "residual_cmi_unchecked",
+    "memory_text", "operation_score", "residual_cmi", "residual_cmi_unchecked",
     "reward_defaults", "token_weights",
 ]

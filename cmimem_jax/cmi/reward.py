@@ -32,6 +32,7 @@ import numpy as np
 
 from cmimem_jax.cmi.banked import banked_rho
 from cmimem_jax.cmi.conditioning import ConditioningConfig
+from cmimem_jax.cmi.logprob import ProfileLM, profile_messages
 from cmimem_jax.config import register_section
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.memory.bank import MemoryBank, embed_texts
@@ -48,7 +49,7 @@ DEFAULT_GENERIC_CORE_PATTERNS = (
 )
 
 
-ESTIMATORS = ("residual", "cosine")
+ESTIMATORS = ("residual", "cosine", "logprob")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +59,10 @@ class RewardConfig:
   shaping: str = "gaussian"  # "gaussian" | "none" (ablation: raw s)
   # "residual": ρ on the local conditioning set (§3.3, the method);
   # "cosine": unconditional cos(e_C, e_new) for every operation (Table 9
-  # "w. emb", our reading of it; the App. E log-prob estimator is not built).
+  # "w. emb", our reading of it); "logprob": App. E (`cmi.logprob`), one
+  # Δ per rollout from a reference LM's Listing 8 profile.
   estimator: str = "residual"
+  profile_max_new_tokens: int = 256  # Listing 8 profile length (logprob).
   mu: float = 0.35
   sigma: float = 0.15
   lam: float = 1e-4
@@ -160,12 +163,14 @@ class RolloutInput:
     retrieval_counts: Per memory type, how often it was retrieved while
       answering the session's QA on `M_t` (for attribution); None = no
       attribution.
+    bank_after: `M_t` (valid responses; the log-prob estimator needs it).
   """
   bank: MemoryBank
   context: str
   response: ParsedResponse
   qa_reward: float = 0.0
   retrieval_counts: Mapping[MemoryType, int] | None = None
+  bank_after: MemoryBank | None = None
 
 
 @dataclasses.dataclass
@@ -275,9 +280,14 @@ def _session_lines(context: str) -> list[str]:
 class RewardComputer:
   """Scores batches of rollouts; one `banked_rho` call per batch."""
 
-  def __init__(self, encoder: Encoder, config: RewardConfig = RewardConfig()):
+  def __init__(self, encoder: Encoder, config: RewardConfig = RewardConfig(),
+               profile_lm: ProfileLM | None = None):
+    if config.estimator == "logprob" and profile_lm is None:
+      raise ValueError("reward.estimator='logprob' needs a reference LM "
+                       "(`profile_lm`)")
     self.encoder = encoder
     self.config = config
+    self.profile_lm = profile_lm
     self._generic = [re.compile(p, re.IGNORECASE)
                      for p in config.generic_core_patterns]
 
@@ -343,6 +353,28 @@ class RewardComputer:
           slot += 1
     return results
 
+  def _logprob_rho(self, rollouts: Sequence[RolloutInput],
+                   scored: list[list[tuple[Operation, str, str | None]]]
+                   ) -> list[list[tuple[float, float]]]:
+    """App. E: the profile gain of each rollout with scored operations,
+    given to each of its operations (one batched `profile_gain` call)."""
+    which = [i for i, ops in enumerate(scored) if ops]
+    results: list[list[tuple[float, float]]] = [[] for _ in rollouts]
+    if not which:
+      return results
+    missing = [i for i in which if rollouts[i].bank_after is None]
+    if missing:
+      raise ValueError(f"rollouts {missing} lack bank_after (M_t), which "
+                       "the logprob estimator scores")
+    gains = self.profile_lm.profile_gain(
+        [profile_messages(rollouts[i].bank, rollouts[i].context)
+         for i in which],
+        [profile_messages(rollouts[i].bank_after, rollouts[i].context)
+         for i in which])
+    for i, gain in zip(which, np.asarray(gains, np.float64)):
+      results[i] = [(float(gain), float("nan"))] * len(scored[i])
+    return results
+
   def _semantic_skip_rho(self, rollouts: Sequence[RolloutInput],
                          embeddings: dict[str, np.ndarray],
                          which: list[int]) -> dict[int, float]:
@@ -404,7 +436,12 @@ class RewardComputer:
       texts.update(_session_lines(rollouts[i].context))
     ordered = sorted(texts)
     embeddings = dict(zip(ordered, embed_texts(self.encoder, ordered)))
-    rhos = self._rho(rollouts, scored, embeddings)
+    if self.config.estimator == "logprob":
+      # One Δ per rollout: scored as an addition (no per-op old text).
+      scored = [[(op, new, None) for op, new, _ in ops] for ops in scored]
+      rhos = self._logprob_rho(rollouts, scored)
+    else:
+      rhos = self._rho(rollouts, scored, embeddings)
     skip_rho = self._semantic_skip_rho(rollouts, embeddings, skips)
     # Eq. 16: the slot retrieved most often while answering, counted over
     # the whole batch (valid rollouts), is dominant for every rollout.

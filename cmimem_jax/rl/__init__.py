@@ -7,7 +7,8 @@ from cmimem_jax.rl.advantages import group_advantages
 from cmimem_jax.rl.batch import rollout_batch, supervised_batch
 from cmimem_jax.rl.checkpoint import (Checkpointer, Restored,
                                       load_model_weights)
-from cmimem_jax.rl.logprobs import recompute_logprobs, token_logprobs
+from cmimem_jax.rl.logprobs import (mean_continuation_logprobs,
+                                    recompute_logprobs, token_logprobs)
 from cmimem_jax.rl.losses import (GRPOLossConfig, Objective, SFTLossConfig,
                                   grpo_loss, k3_kl, sft_loss)
 from cmimem_jax.rl.metrics import MetricsWriter, read_metrics
@@ -18,7 +19,6 @@ __all__ = [
     "Checkpointer", "GRPOLossConfig", "Learner", "MetricsWriter", "Objective",
     "OptimizerConfig", "Restored", "SFTLossConfig", "TrainStepConfig",
     "accumulated_grads", "group_advantages", "grpo_loss", "k3_kl",
-    "load_model_weights",
-    "make_optimizer", "read_metrics", "recompute_logprobs", "rollout_batch",
+    "load_model_weights", "make_optimizer", "mean_continuation_logprobs", "read_metrics", "recompute_logprobs", "rollout_batch",
     "sft_loss", "supervised_batch", "token_logprobs",
 ]

@@ -11,6 +11,7 @@ pass.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -138,3 +139,40 @@ def recompute_logprobs(model: Qwen3, out: SampleOutput, temperature: float,
   gap = float(np.abs(ours - out.logprobs * completion).sum()
               / max(completion.sum(), 1))
   return ours.astype(np.float32), gap
+
+
+def mean_continuation_logprobs(model: Qwen3, prompts: Sequence[Sequence[int]],
+                               continuations: Sequence[Sequence[int]],
+                               pad_id: int = 0, chunk: int = 256,
+                               multiple: int = 64) -> np.ndarray:
+  """Mean per-token log-prob of each continuation given its prompt (teacher
+  forcing, temperature 1), in one jitted call.
+
+  Prompts are left-padded and continuations right-padded to multiples of
+  `multiple`, rows to a power of two, so few shapes compile.
+
+  Returns:
+    `[B]` float32; 0 for an empty continuation.
+  """
+  if len(prompts) != len(continuations):
+    raise ValueError(f"{len(prompts)} prompts for {len(continuations)} "
+                     "continuations")
+  if not prompts or not all(prompts):
+    raise ValueError("every continuation needs a non-empty prompt")
+  round_up = lambda n: -(-max(n, 1) // multiple) * multiple  # noqa: E731
+  width_p = round_up(max(len(p) for p in prompts))
+  width_c = round_up(max(len(c) for c in continuations))
+  rows = 1 << (len(prompts) - 1).bit_length()
+  tokens = np.full((rows, width_p + width_c), pad_id, np.int32)
+  mask = np.zeros_like(tokens)
+  mask[len(prompts):, width_p - 1] = 1  # Padding rows: one real token.
+  for i, (prompt, continuation) in enumerate(zip(prompts, continuations)):
+    tokens[i, width_p - len(prompt):width_p] = prompt
+    tokens[i, width_p:width_p + len(continuation)] = continuation
+    mask[i, width_p - len(prompt):width_p + len(continuation)] = 1
+  logprobs = np.asarray(_policy_logprobs(model, tokens, mask, 1.0, chunk,
+                                         width_p))[:len(prompts), width_p:]
+  lengths = np.array([len(c) for c in continuations], np.float32)
+  continuation = mask[:len(prompts), width_p:]
+  return ((logprobs * continuation).sum(1) / np.maximum(lengths, 1)
+          ).astype(np.float32)

@@ -84,14 +84,14 @@ def score_rollouts(episodes: Sequence[Episode], texts: Sequence[str],
   for row, text in enumerate(texts):
     episode = episodes[row // group_size]
     response = parse(text)
-    qa_reward, counts = 0.0, None
+    qa_reward, counts, after = 0.0, None, None
     if response.valid:
       after = apply_to_copy(episode.bank, episode.session, response, encoder,
                             memory, compressor, stats)
       qa_reward, counts = qa(after, episode)
     parsed.append(response)
     rollouts.append(RolloutInput(episode.bank, episode.session.format(),
-                                 response, qa_reward, counts))
+                                 response, qa_reward, counts, after))
   return parsed, computer(rollouts)
 
 

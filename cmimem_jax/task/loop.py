@@ -31,6 +31,7 @@ import numpy as np
 from absl import logging
 
 from cmimem_jax.client import EndpointConfig, OpenAIClient
+from cmimem_jax.cmi.logprob import PolicyProfileLM
 from cmimem_jax.cmi.reward import RewardComputer, RewardConfig
 from cmimem_jax.config import (qa_chunk_budget, register_section,
                                validate_config)
@@ -231,8 +232,12 @@ class Trainer:
       logging.info("resumed from step %d (skipped unreadable: %s)",
                    restored.step, restored.skipped)
     self.resumed_from = None if restored is None else restored.step
-    self.reward = RewardComputer(self.encoder,
-                                 RewardConfig.from_config(config.reward))
+    reward_config = RewardConfig.from_config(config.reward)
+    profile_lm = (PolicyProfileLM(self.policy, lambda: self.learner.model,
+                                  reward_config.profile_max_new_tokens,
+                                  config.rl.logprob_chunk)
+                  if reward_config.estimator == "logprob" else None)
+    self.reward = RewardComputer(self.encoder, reward_config, profile_lm)
     self.qa = _qa_reward(config, self.encoder)
     self.compressor = core_compressor(
         config.memory, {"policy": self.policy, "answer": self.qa.answerer})

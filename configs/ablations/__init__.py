@@ -6,9 +6,7 @@ with the row's `CHANGES` as `--config.KEY=VALUE` flags.
 
 Rows without GRPO (`rl.epochs = 0`: "Qwen3-4B" and "+RM", prompting only)
 train nothing; evaluate the base policy with `python -m cmimem_jax.evaluate
---config.method=policy` under the same memory settings. Table 9's
-"w. logprob" row (the App. E estimator) has no config: that estimator is
-not built yet.
+--config.method=policy` under the same memory settings.
 """
 
 from collections.abc import Mapping

@@ -170,7 +170,7 @@ def test_cosine_estimator_ignores_the_bank():
   assert cosine.operations[1].rho_new != pytest.approx(
       residual.operations[1].rho_new, abs=1e-3)
   with pytest.raises(ValueError, match="estimator"):
-    RewardConfig(estimator="logprob")
+    RewardConfig(estimator="kde")
 
 
 def test_shaping_ablation_uses_raw_scores():
