@@ -101,8 +101,8 @@ def _check_memory(c: _Checker) -> None:
           lambda v: isinstance(v, int) and v >= 0, "a non-negative integer")
   c.check("memory.source_chunks", lambda v: isinstance(v, bool),
           "True or False")
-  c.check("memory.compressor", lambda v: v in CORE_COMPRESSORS,
-          f"one of {CORE_COMPRESSORS}")
+  for key in ("memory.compressor", "memory.merge_summarizer"):
+    c.check(key, lambda v: v in MEMORY_EDITORS, f"one of {MEMORY_EDITORS}")
   c.check("memory.update_match_threshold",
           lambda v: isinstance(v, float) and -1.0 <= v <= 1.0, "in [-1, 1]")
   memory = c.config.get("memory")
@@ -148,8 +148,9 @@ def validate_config(config: ml_collections.ConfigDict,
     raise ConfigError("invalid config:\n  " + "\n  ".join(checker.problems))
 
 
-# Who compresses the core block (`memory.compression.core_compressor`).
-CORE_COMPRESSORS = ("none", "policy", "answer")
+# Who compresses the core block / summarises MERGEs
+# (`memory.compression.memory_editors`).
+MEMORY_EDITORS = ("none", "policy", "answer")
 
 
 def memory_defaults() -> ml_collections.ConfigDict:
@@ -171,6 +172,9 @@ def memory_defaults() -> ml_collections.ConfigDict:
       # Listing 5 over the cap: "policy" (the model building memories),
       # "answer" (the QA answer model) or "none" (keep the newest lines).
       "compressor": "none",
+      # Listing 9 for episodic MERGE: the same choices ("none" keeps the
+      # policy's own merged text).
+      "merge_summarizer": "none",
   })
 
 

@@ -39,8 +39,10 @@ def get_config() -> ml_collections.ConfigDict:
       "num_rollouts": 8, "temperature": 0.8, "top_p": 0.9,
       "max_new_tokens": 6000, "max_prompt_tokens": 20000})
   config.qa.update({"judge": "llm", "top_k": 10})
-  # Listing 5: the policy compresses its own core block over 90 % of the cap.
-  config.memory.compressor = "policy"
+  # Listing 5: the policy compresses its own core block over 90 % of the cap;
+  # Listing 9: it also writes the merged text of an episodic MERGE (App. H
+  # names no separate summariser model).
+  config.memory.update({"compressor": "policy", "merge_summarizer": "policy"})
   config.rl.update({
       "sessions_per_batch": 32, "epochs": 5, "max_steps": 0,
       "micro_batches": 32, "learning_rate": 1e-6, "warmup_steps": 0,

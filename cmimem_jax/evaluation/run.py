@@ -41,10 +41,10 @@ from cmimem_jax.evaluation.metrics import (aggregate, best_over_golds,
                                            locomo_f1, recall_at_k,
                                            rouge_l_f1, substring_exact_match,
                                            token_f1)
-from cmimem_jax.memory.apply import Compressor
+from cmimem_jax.memory.apply import MemoryEditors
 from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.builder import build_bank
-from cmimem_jax.memory.compression import core_compressor
+from cmimem_jax.memory.compression import memory_editors
 from cmimem_jax.memory.dsl import response_regex
 
 
@@ -109,7 +109,7 @@ def make_chat_model(section: Any, constraint_regex: str | None = None
 def context_provider(dialogue: Dialogue, encoder: Encoder, config,
                      workdir: str, builder: ChatModel | None,
                      failures: collections.Counter,
-                     compressor: Compressor | None = None):
+                     editors: MemoryEditors = MemoryEditors()):
   if config.method == "rag":
     return TurnRAG(dialogue, encoder, config.rag_top_k)
   directory = path_under(workdir, "banks", config.method,
@@ -122,11 +122,12 @@ def context_provider(dialogue: Dialogue, encoder: Encoder, config,
                                   config.memory.build_top_k,
                                   failures=failures)
     bank, stats, _ = build_bank(dialogue, encoder, respond, config.memory,
-                                compressor=compressor)
+                                editors=editors)
     logging.info("%s: built %d entries %s", dialogue.dialogue_id, len(bank),
                  stats)
     failures["invalid_build_responses"] += stats.get("invalid_responses", 0)
-    for key in ("core_compression_failures", "core_truncations"):
+    for key in ("core_compression_failures", "core_truncations",
+                "merge_summary_failures"):
       if stats.get(key):  # Listed only when it happened.
         failures[key] += stats[key]
     bank.save(directory)
@@ -324,9 +325,9 @@ def evaluate(config, workdir: str) -> dict:
                    and config.builder.constrained_dsl)
     builder = make_chat_model(config.builder,
                               response_regex() if constrained else None)
-  compressor = (core_compressor(config.memory, {"policy": builder,
-                                                "answer": answerer})
-                if builder is not None else None)
+  editors = (memory_editors(config.memory, {"policy": builder,
+                                            "answer": answerer})
+             if builder is not None else MemoryEditors())
   judge = None
   if config.judge.kind == "llm":
     judge = LLMJudge(OpenAIClient(EndpointConfig.from_config(
@@ -347,7 +348,7 @@ def evaluate(config, workdir: str) -> dict:
       if not questions:
         continue
       provider = context_provider(dialogue, encoder, config, workdir, builder,
-                                  failures, compressor)
+                                  failures, editors)
       step = wave or len(questions)
       for start in range(0, len(questions), step):
         for record in score_dialogue(dialogue, questions[start:start + step],

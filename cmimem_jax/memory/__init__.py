@@ -1,7 +1,8 @@
 """The four-slot memory system: state, Apply, DSL/JSON formats, prompts, retrieval."""
 
-from cmimem_jax.memory.apply import (ApplyReport, CoreConfig, apply_operations,
-                                     apply_response, keep_recent_lines)
+from cmimem_jax.memory.apply import (ApplyReport, CoreConfig, MemoryEditors,
+                                     apply_operations, apply_response,
+                                     keep_recent_lines)
 from cmimem_jax.memory.bank import MemoryBank, SearchHit, TypedStore
 from cmimem_jax.memory.dsl import LineError, ParsedResponse, clean_field, parse, render
 from cmimem_jax.memory.json_agents import (combine_agent_outputs, loads_llm_json,
@@ -14,8 +15,8 @@ from cmimem_jax.memory.types import (ALLOWED_ACTIONS, ENTRY_TYPES, Action,
 
 __all__ = [
     "ALLOWED_ACTIONS", "ENTRY_TYPES", "Action", "ApplyReport", "Chunk",
-    "CoreConfig", "LineError", "MemoryBank", "MemoryEntry", "MemoryStore",
-    "MemoryType", "Operation", "ParsedResponse", "SearchHit", "TypedStore",
+    "CoreConfig", "LineError", "MemoryBank", "MemoryEditors", "MemoryEntry",
+    "MemoryStore", "MemoryType", "Operation", "ParsedResponse", "SearchHit", "TypedStore",
     "apply_operations", "apply_response", "clean_field",
     "combine_agent_outputs", "keep_recent_lines", "loads_llm_json",
     "lookup_chunks", "parse", "parse_agent_output", "render", "retrieve",

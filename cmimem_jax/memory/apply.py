@@ -27,7 +27,20 @@ from cmimem_jax.memory.dsl import ParsedResponse
 from cmimem_jax.memory.types import (Action, MemoryEntry, MemoryType,
                                      Operation, validate_operation)
 
-Compressor = Callable[[str], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEditors:
+  """Model-backed rewrites `Apply` may call; None = the counted fallback.
+
+  Attributes:
+    compress_core: Listing 5: an over-trigger core block -> a shorter one
+      (fallback: keep the newest lines that fit the target).
+    summarize_merge: Listing 9: `(agent type, [old texts..., the policy's
+      draft])` -> one merged text (fallback: the policy's draft).
+  """
+  compress_core: Callable[[str], str] | None = None
+  summarize_merge: Callable[[str, Sequence[str]], str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +63,13 @@ class ApplyReport:
     entry_ids: For each input operation, the id of the entry it created or
       rewrote (None for core operations and SKIP).
     compressed: Whether the core block was compressed.
-    compression_failures: Compressor calls that raised (fell back to
+    compression_failures: Compression calls that raised (fell back to
       keeping the most recent lines).
     truncated: The core kept only its newest lines (no compressor, or it
       failed): older core facts were dropped.
+    merges_summarized: MERGE texts written by `summarize_merge`.
+    merge_summary_failures: `summarize_merge` calls that raised or
+      returned nothing (the policy's draft was kept).
   """
   applied: bool = True
   errors: list[str] = dataclasses.field(default_factory=list)
@@ -62,6 +78,8 @@ class ApplyReport:
   compressed: bool = False
   compression_failures: int = 0
   truncated: bool = False
+  merges_summarized: int = 0
+  merge_summary_failures: int = 0
 
 
 def keep_recent_lines(text: str, limit: int) -> str:
@@ -79,7 +97,7 @@ def keep_recent_lines(text: str, limit: int) -> str:
 
 
 def _compress_core(core: str, config: CoreConfig,
-                   compressor: Compressor | None,
+                   compressor: Callable[[str], str] | None,
                    report: ApplyReport) -> str:
   if len(core) <= config.compress_trigger * config.cap_chars:
     return core
@@ -130,7 +148,7 @@ def apply_operations(bank: MemoryBank, operations: Sequence[Operation],
                      encoder: Encoder, *, session_index: int,
                      turn_ids: Sequence[str] = (),
                      core_config: CoreConfig = CoreConfig(),
-                     compressor: Compressor | None = None,
+                     editors: MemoryEditors = MemoryEditors(),
                      update_match_threshold: float = 0.9
                      ) -> tuple[MemoryBank, ApplyReport]:
   """Applies operations to a copy of `bank`.
@@ -143,8 +161,9 @@ def apply_operations(bank: MemoryBank, operations: Sequence[Operation],
     turn_ids: Source turns of the session; an operation's own `turn_ids`
       take precedence.
     core_config: Core cap and compression policy.
-    compressor: LLM-backed core compression (Listing 5); None keeps the most
-      recent lines that fit the target.
+    editors: LLM-backed core compression (Listing 5) and MERGE summaries
+      (Listing 9); without them the core keeps its most recent lines that
+      fit the target and a MERGE keeps the policy's text.
     update_match_threshold: Cosine needed to match a non-verbatim `old`.
 
   Returns:
@@ -171,11 +190,14 @@ def apply_operations(bank: MemoryBank, operations: Sequence[Operation],
     entry_id = None
     if op.memory_type is MemoryType.CORE:
       _apply_core(new_bank, op, core_config, report)
-      new_bank.core = _compress_core(new_bank.core, core_config, compressor,
-                                     report)
+      new_bank.core = _compress_core(new_bank.core, core_config,
+                                     editors.compress_core, report)
     elif op.writes:
       old_vectors = [next(vectors) for _ in op.old_texts]
       new_vector = next(vectors)
+      if op.action is Action.MERGE and editors.summarize_merge is not None:
+        op, new_vector = _summarize_merge(new_bank, op, new_vector, encoder,
+                                          editors.summarize_merge, report)
       entry_id = _apply_entry_op(new_bank, op, old_vectors, new_vector,
                                  step=step, session_index=session_index,
                                  turn_ids=tuple(op.turn_ids or turn_ids),
@@ -183,6 +205,32 @@ def apply_operations(bank: MemoryBank, operations: Sequence[Operation],
                                  report=report)
     report.entry_ids.append(entry_id)
   return new_bank, report
+
+
+def _summarize_merge(bank: MemoryBank, op: Operation, draft_vector: np.ndarray,
+                     encoder: Encoder,
+                     summarize: Callable[[str, Sequence[str]], str],
+                     report: ApplyReport) -> tuple[Operation, np.ndarray]:
+  """Listing 9 over the merged memories (their stored texts where the
+  policy quoted them verbatim) and the policy's draft; a failure keeps the
+  draft and is counted."""
+  store = bank.stores[op.memory_type]
+  olds = []
+  for old in op.old_texts:
+    position = store.find_exact(old)
+    olds.append(old if position is None else store.entries[position].text)
+  try:
+    merged = summarize(op.memory_type.value, [*olds, op.new_text]).strip()
+    if not merged:
+      raise ValueError("empty merge summary")
+  except Exception as e:  # A remote LLM can fail in many ways.
+    report.merge_summary_failures += 1
+    logging.warning("MERGE summary failed (%s); keeping the policy's text", e)
+    report.flags.append(f"MERGE summary failed: {e}")
+    return op, draft_vector
+  report.merges_summarized += 1
+  merged_op = dataclasses.replace(op, fields=(*op.old_texts, merged))
+  return merged_op, embed_texts(encoder, [merged])[0]
 
 
 def _apply_entry_op(bank: MemoryBank, op: Operation,

@@ -11,7 +11,7 @@ from typing import Any
 
 from cmimem_jax.data.types import Dialogue, Session
 from cmimem_jax.encoders.base import Encoder
-from cmimem_jax.memory.apply import (ApplyReport, Compressor, CoreConfig,
+from cmimem_jax.memory.apply import (ApplyReport, CoreConfig, MemoryEditors,
                                      apply_response)
 from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.dsl import ParsedResponse
@@ -34,20 +34,26 @@ def core_config(memory: Any) -> CoreConfig:
                     memory.compress_target_chars)
 
 
-def count_core_compression(stats: collections.Counter[str],
-                           report: ApplyReport) -> None:
-  """Adds what compressing the core did to `stats` (zeros left out)."""
-  for key, value in (("core_compressions", report.compressed),
-                     ("core_compression_failures",
-                      report.compression_failures),
-                     ("core_truncations", report.truncated)):
+# The `ApplyReport` counters of model rewrites, as named in stats/metrics.
+EDIT_COUNTERS = ("core_compressions", "core_compression_failures",
+                 "core_truncations", "merges_summarized",
+                 "merge_summary_failures")
+
+
+def count_model_edits(stats: collections.Counter[str],
+                      report: ApplyReport) -> None:
+  """Adds what compressing the core and summarising MERGEs did to `stats`
+  (zeros left out)."""
+  for key, value in zip(EDIT_COUNTERS, (
+      report.compressed, report.compression_failures, report.truncated,
+      report.merges_summarized, report.merge_summary_failures)):
     if value:
       stats[key] += int(value)
 
 
 def build_bank(dialogue: Dialogue, encoder: Encoder, respond: Responder,
                memory: Any, on_step: Callable[[BuildStep], None] | None = None,
-               compressor: Compressor | None = None
+               editors: MemoryEditors = MemoryEditors()
                ) -> tuple[MemoryBank, dict[str, int], list[BuildStep]]:
   """Runs `respond` over every session of `dialogue` from an empty bank.
 
@@ -74,9 +80,9 @@ def build_bank(dialogue: Dialogue, encoder: Encoder, respond: Responder,
     bank, report = apply_response(
         bank, response, encoder, session_index=session.index,
         turn_ids=tuple(t.turn_id for t in session.turns), core_config=config,
-        compressor=compressor,
+        editors=editors,
         update_match_threshold=memory.update_match_threshold)
     stats["operations"] += len(response.operations)
     stats["flags"] += len(report.flags)
-    count_core_compression(stats, report)
+    count_model_edits(stats, report)
   return bank, dict(stats), steps

@@ -1,26 +1,38 @@
-"""Core compression through a chat model (Listing 5).
+"""Memory rewrites through a chat model: core compression (Listing 5) and
+MERGE summaries (Listing 9).
 
 When a write pushes the core block over `compress_trigger · cap`, `Apply`
-calls a `Compressor`; `ChatCompressor` asks a chat model (the policy, or
-an endpoint) with Listing 5 and reads its `{"content": ...}` answer. Any
-failure (a failed call, unreadable JSON, an empty or over-cap answer)
-raises, `Apply` counts it and falls back to keeping the newest lines.
+calls `MemoryEditors.compress_core`; `ChatCompressor` asks a chat model
+(the policy, or an endpoint) with Listing 5 and reads its
+`{"content": ...}` answer. When the policy MERGEs episodic memories,
+`ChatMergeSummarizer` asks the model with Listing 9 for the merged text.
+Any failure (a failed call, unreadable JSON, an empty or over-cap answer)
+raises; `Apply` counts it and falls back (newest core lines; the policy's
+own MERGE text).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cmimem_jax.client import ChatModel
-from cmimem_jax.memory.apply import CoreConfig
+from cmimem_jax.memory.apply import CoreConfig, MemoryEditors
 from cmimem_jax.memory.builder import core_config
 from cmimem_jax.memory.json_agents import loads_llm_json
-from cmimem_jax.memory.prompt_builder import build_compression_prompt
+from cmimem_jax.memory.prompt_builder import (build_compression_prompt,
+                                              build_merge_prompt)
+
+
+def _ask(model: ChatModel, prompt: str, what: str) -> str:
+  (result,) = model.chat_many([[{"role": "user", "content": prompt}]])
+  if not result.ok:
+    raise RuntimeError(f"{what} call failed: {result.error}")
+  return result.text
 
 
 class ChatCompressor:
-  """`Compressor` over a `ChatModel`; counts its calls."""
+  """Listing 5 over a `ChatModel`; counts its calls."""
 
   def __init__(self, model: ChatModel, config: CoreConfig):
     self.model, self.config = model, config
@@ -30,29 +42,53 @@ class ChatCompressor:
     self.calls += 1
     prompt = build_compression_prompt(core, self.config.cap_chars,
                                       self.config.compress_target_chars)
-    (result,) = self.model.chat_many([[{"role": "user", "content": prompt}]])
-    if not result.ok:
-      raise RuntimeError(f"compression call failed: {result.error}")
-    content = loads_llm_json(result.text).get("content")
+    text = _ask(self.model, prompt, "compression")
+    content = loads_llm_json(text).get("content")
     if not isinstance(content, str) or not content.strip():
       raise ValueError(f"no 'content' in the compression answer: "
-                       f"{result.text[:80]!r}")
+                       f"{text[:80]!r}")
     return content.strip()
 
 
-def core_compressor(memory: Any, models: Mapping[str, ChatModel | None]
-                    ) -> ChatCompressor | None:
-  """The `memory.compressor` of a job over its models (`{"policy": ...,
-  "answer": ...}`); None for "none" (the counted newest-lines fallback).
+class ChatMergeSummarizer:
+  """Listing 9 over a `ChatModel`: the answer is the merged text itself."""
+
+  def __init__(self, model: ChatModel):
+    self.model = model
+    self.calls = 0
+
+  def __call__(self, agent_type: str, memories: Sequence[str]) -> str:
+    self.calls += 1
+    text = _ask(self.model, build_merge_prompt(agent_type, memories),
+                "merge summary").strip()
+    if not text:
+      raise ValueError("empty merge summary")
+    return text
+
+
+def _model(memory: Any, key: str, models: Mapping[str, ChatModel | None]
+           ) -> ChatModel | None:
+  name = memory[key]
+  if name == "none":
+    return None
+  model = models.get(name)
+  if model is None:
+    raise ValueError(f"memory.{key}={name!r}, but this job has no {name} "
+                     f"model (have: {sorted(k for k, v in models.items() if v)})")
+  return model
+
+
+def memory_editors(memory: Any, models: Mapping[str, ChatModel | None]
+                   ) -> MemoryEditors:
+  """`memory.compressor` and `memory.merge_summarizer` of a job over its
+  models (`{"policy": ..., "answer": ...}`); "none" leaves that rewrite to
+  its counted fallback.
 
   Raises:
-    ValueError: the configured model is not part of this job.
+    ValueError: a configured model is not part of this job.
   """
-  if memory.compressor == "none":
-    return None
-  model = models.get(memory.compressor)
-  if model is None:
-    raise ValueError(f"memory.compressor={memory.compressor!r}, but this job "
-                     f"has no {memory.compressor} model (have: "
-                     f"{sorted(k for k, v in models.items() if v)})")
-  return ChatCompressor(model, core_config(memory))
+  compress = _model(memory, "compressor", models)
+  merge = _model(memory, "merge_summarizer", models)
+  return MemoryEditors(
+      compress_core=compress and ChatCompressor(compress, core_config(memory)),
+      summarize_merge=merge and ChatMergeSummarizer(merge))

@@ -77,6 +77,12 @@ def build_compression_prompt(core: str, limit: int = 5000,
                          target=target, content=core)
 
 
+def build_merge_prompt(agent_type: str, memories: Sequence[str]) -> str:
+  """Listing 9 over the memories a MERGE consolidates (one per line)."""
+  return render_template("merge_summary", agent_type=agent_type,
+                         memories_text="\n".join(f"- {m}" for m in memories))
+
+
 def build_answer_prompt(question: str, bank: MemoryBank,
                         hits: Sequence[SearchHit], chunks: Sequence[Chunk],
                         current_time: dt.datetime | str | None,

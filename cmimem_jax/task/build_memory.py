@@ -124,9 +124,10 @@ def run(config, workdir: str | None) -> dict[str, dict]:
   validate_config(config, required=("dataset", "encoder", "memory", "reward"))
   if config.policy not in POLICIES:
     raise ConfigError(f"policy must be one of {sorted(POLICIES)}")
-  if config.memory.compressor != "none":
-    raise ConfigError(f"memory.compressor={config.memory.compressor!r}: "
-                      "build_memory runs no chat model; use 'none'")
+  for key in ("compressor", "merge_summarizer"):
+    if config.memory[key] != "none":
+      raise ConfigError(f"memory.{key}={config.memory[key]!r}: build_memory "
+                        "runs no chat model; use 'none'")
   encoder = make_encoder(config.encoder)
   dialogues = load_configured(config.dataset, "build_memory")
   summary = {}

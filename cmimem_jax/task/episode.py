@@ -17,9 +17,9 @@ from cmimem_jax.cmi.reward import (RewardComputer, RewardTerms, RolloutInput,
                                    token_weights)
 from cmimem_jax.data.types import Dialogue, Question, Session
 from cmimem_jax.encoders.base import Encoder
-from cmimem_jax.memory.apply import Compressor, apply_response
+from cmimem_jax.memory.apply import MemoryEditors, apply_response
 from cmimem_jax.memory.bank import MemoryBank
-from cmimem_jax.memory.builder import core_config, count_core_compression
+from cmimem_jax.memory.builder import core_config, count_model_edits
 from cmimem_jax.memory.dsl import ParsedResponse, parse
 from cmimem_jax.memory.prompt_builder import build_policy_messages
 from cmimem_jax.memory.retrieval import retrieve_per_type
@@ -52,31 +52,31 @@ def policy_messages(bank: MemoryBank, session: Session, encoder: Encoder,
 
 def apply_to_copy(bank: MemoryBank, session: Session, response: ParsedResponse,
                   encoder: Encoder, memory: Any,
-                  compressor: Compressor | None = None,
+                  editors: MemoryEditors = MemoryEditors(),
                   stats: collections.Counter[str] | None = None
                   ) -> MemoryBank:
   """`M_t` = Apply(M_{t-1}, response); the input bank is never mutated.
-  What compressing the core did is added to `stats`."""
+  What the model rewrites did is added to `stats`."""
   bank, report = apply_response(
       bank, response, encoder, session_index=session.index,
       turn_ids=tuple(t.turn_id for t in session.turns),
-      core_config=core_config(memory), compressor=compressor,
+      core_config=core_config(memory), editors=editors,
       update_match_threshold=memory.update_match_threshold)
   if stats is not None:
-    count_core_compression(stats, report)
+    count_model_edits(stats, report)
   return bank
 
 
 def score_rollouts(episodes: Sequence[Episode], texts: Sequence[str],
                    group_size: int, encoder: Encoder, memory: Any,
                    qa: QAReward, computer: RewardComputer,
-                   compressor: Compressor | None = None,
+                   editors: MemoryEditors = MemoryEditors(),
                    stats: collections.Counter[str] | None = None
                    ) -> tuple[list[ParsedResponse], list[RewardTerms]]:
   """Parses, applies and scores `group_size` responses per episode (row
   `e·N + i` is rollout i of episode e); the CMI terms of the whole batch
-  go through the kernel in one call. Core compressions are counted in
-  `stats`."""
+  go through the kernel in one call. Core compressions and MERGE
+  summaries are counted in `stats`."""
   if len(texts) != len(episodes) * group_size:
     raise ValueError(f"{len(texts)} responses for {len(episodes)} episodes "
                      f"x {group_size}")
@@ -87,7 +87,7 @@ def score_rollouts(episodes: Sequence[Episode], texts: Sequence[str],
     qa_reward, counts, after = 0.0, None, None
     if response.valid:
       after = apply_to_copy(episode.bank, episode.session, response, encoder,
-                            memory, compressor, stats)
+                            memory, editors, stats)
       qa_reward, counts = qa(after, episode)
     parsed.append(response)
     rollouts.append(RolloutInput(episode.bank, episode.session.format(),

@@ -38,7 +38,8 @@ from cmimem_jax.config import (qa_chunk_budget, register_section,
 from cmimem_jax.data import Dialogue, load_configured
 from cmimem_jax.encoders import make_encoder
 from cmimem_jax.evaluation.judges import LLMJudge
-from cmimem_jax.memory.compression import core_compressor
+from cmimem_jax.memory.builder import EDIT_COUNTERS
+from cmimem_jax.memory.compression import memory_editors
 from cmimem_jax.memory.dsl import response_regex
 from cmimem_jax.models.qwen3.params import save_hf
 from cmimem_jax.parallel import (initialize_distributed, make_mesh,
@@ -87,9 +88,10 @@ def _check_training(c) -> None:
           "context_recall or llm")
   c.check("policy.source", lambda v: v in ("random", "gguf", "hf"),
           "random, gguf or hf")
-  if c.get("memory.compressor") == "answer" and c.get("qa.judge") != "llm":
-    c.problems.append("memory.compressor='answer' needs qa.judge='llm' (the "
-                      "answer model is its endpoint)")
+  for key in ("memory.compressor", "memory.merge_summarizer"):
+    if c.get(key) == "answer" and c.get("qa.judge") != "llm":
+      c.problems.append(f"{key}='answer' needs qa.judge='llm' (the answer "
+                        "model is its endpoint)")
   try:
     loss = GRPOLossConfig(c.get("rl.epsilon_low"), c.get("rl.epsilon_high"),
                           c.get("rl.kl_beta"))
@@ -239,7 +241,7 @@ class Trainer:
                   if reward_config.estimator == "logprob" else None)
     self.reward = RewardComputer(self.encoder, reward_config, profile_lm)
     self.qa = _qa_reward(config, self.encoder)
-    self.compressor = core_compressor(
+    self.editors = memory_editors(
         config.memory, {"policy": self.policy, "answer": self.qa.answerer})
     self.snapshots = self._snapshots(self.loop["snapshot_version"])
 
@@ -257,7 +259,7 @@ class Trainer:
       banks = build_snapshots(self.dialogues, self._respond, self.encoder,
                               self.config.memory,
                               self.config.rollout.retrieval_top_k,
-                              self.compressor)
+                              self.editors)
       save_snapshots(directory, banks)
       logging.info("built snapshots v%d in %.1f s", version,
                    time.perf_counter() - start)
@@ -311,10 +313,10 @@ class Trainer:
     texts = [self.policy.decode(c) for c in completions]
     start = time.perf_counter()
     failures_before = sum(self.qa.failures.values())
-    compression: collections.Counter[str] = collections.Counter()
+    edits: collections.Counter[str] = collections.Counter()
     _, terms = score_rollouts(episodes, texts, self.group, self.encoder,
                               self.config.memory, self.qa, self.reward,
-                              self.compressor, compression)
+                              self.editors, edits)
     reward_s = time.perf_counter() - start
     rewards = np.array([t.reward for t in terms])
     # A NaN / inf reward (e.g. from a QA score) makes its rollout invalid:
@@ -346,9 +348,7 @@ class Trainer:
         nonfinite_rewards=int((~finite).sum()),
         response_tokens_mean=float(np.mean(out.lengths)),
         qa_failures=sum(self.qa.failures.values()) - failures_before,
-        **{key: compression[key] for key in (
-            "core_compressions", "core_compression_failures",
-            "core_truncations")},
+        **{key: edits[key] for key in EDIT_COUNTERS},
         sample_s=sample_s, reward_s=reward_s,
         sessions=[f"{self.dialogues[r.dialogue].dialogue_id}/{r.session}"
                   for r in refs])

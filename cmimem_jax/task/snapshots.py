@@ -12,7 +12,7 @@ from cmimem_jax.client import Messages
 from cmimem_jax.data.files import path_under
 from cmimem_jax.data.types import Dialogue
 from cmimem_jax.encoders.base import Encoder
-from cmimem_jax.memory.apply import Compressor
+from cmimem_jax.memory.apply import MemoryEditors
 from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.dsl import parse
 from cmimem_jax.task.episode import apply_to_copy, policy_messages
@@ -21,7 +21,7 @@ from cmimem_jax.task.episode import apply_to_copy, policy_messages
 def build_snapshots(dialogues: Sequence[Dialogue],
                     respond: Callable[[list[Messages]], list[str]],
                     encoder: Encoder, memory: Any, top_k: int,
-                    compressor: Compressor | None = None
+                    editors: MemoryEditors = MemoryEditors()
                     ) -> list[list[MemoryBank]]:
   """`M_{t-1}` for every session of every dialogue, built by running the
   policy (greedy) through the dialogues; session t of all dialogues is one
@@ -39,7 +39,7 @@ def build_snapshots(dialogues: Sequence[Dialogue],
     for i, text in zip(active, respond(messages)):
       session = dialogues[i].sessions[t]
       banks[i].append(apply_to_copy(banks[i][t], session, parse(text),
-                                    encoder, memory, compressor))
+                                    encoder, memory, editors))
   return banks
 
 

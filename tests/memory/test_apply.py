@@ -4,8 +4,8 @@ from hypothesis import given, settings, strategies as st
 
 from dsl_strategies import responses  # noqa: I100
 
-from cmimem_jax.memory import (Action, CoreConfig, MemoryBank, MemoryType,
-                               Operation, apply_operations, apply_response,
+from cmimem_jax.memory import (Action, CoreConfig, MemoryBank, MemoryEditors,
+                               MemoryType, Operation, apply_operations, apply_response,
                                keep_recent_lines, parse)
 
 C, E, S, P = (MemoryType.CORE, MemoryType.EPISODIC, MemoryType.SEMANTIC,
@@ -66,13 +66,15 @@ def test_core_compression(encoder):
   assert new.core == "line 04 xxxxxxxx\nline 05 xxxxxxxx"
   # An LLM compressor is used when given; its failure falls back and counts.
   new, report = apply(bank, [op(C, "APPEND", "line 05 xxxxxxxx")], encoder,
-                      core_config=config, compressor=lambda text: "short")
+                      core_config=config,
+                      editors=MemoryEditors(compress_core=lambda text: "short"))
   assert new.core == "short" and report.compression_failures == 0
 
   def broken(text):
     raise TimeoutError("endpoint down")
   new, report = apply(bank, [op(C, "APPEND", "line 05 xxxxxxxx")], encoder,
-                      core_config=config, compressor=broken)
+                      core_config=config,
+                      editors=MemoryEditors(compress_core=broken))
   assert report.compression_failures == 1
   assert new.core == "line 04 xxxxxxxx\nline 05 xxxxxxxx"
   # Below the trigger nothing happens.

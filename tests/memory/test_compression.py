@@ -1,4 +1,4 @@
-"""Listing 5 through a chat model, and the counted newest-lines fallback."""
+"""Listings 5 and 9 through a chat model, and their counted fallbacks."""
 
 import collections
 import json
@@ -10,8 +10,9 @@ from cmimem_jax.config import memory_defaults
 from cmimem_jax.data import Session, Turn
 from cmimem_jax.encoders import HashingEncoder
 from cmimem_jax.memory import MemoryBank, parse
-from cmimem_jax.memory.apply import CoreConfig, apply_operations
-from cmimem_jax.memory.compression import ChatCompressor, core_compressor
+from cmimem_jax.memory.apply import CoreConfig, MemoryEditors, apply_operations
+from cmimem_jax.memory.compression import (ChatCompressor,
+                                           ChatMergeSummarizer, memory_editors)
 from cmimem_jax.memory.types import Action, MemoryType, Operation
 from cmimem_jax.task.episode import apply_to_copy
 
@@ -38,7 +39,8 @@ def _over_the_cap(compressor):
                                           for i in range(7))
   return apply_operations(bank, [Operation(
       MemoryType.CORE, Action.APPEND, ("Started running in May 2024",))],
-      ENCODER, session_index=3, core_config=CONFIG, compressor=compressor)
+      ENCODER, session_index=3, core_config=CONFIG,
+      editors=MemoryEditors(compress_core=compressor))
 
 
 def test_the_model_compresses_the_core_with_listing_5():
@@ -72,22 +74,80 @@ def test_training_counts_compressions_of_rollouts():
   memory.update({"core_cap_chars": 200, "compress_target_chars": 120,
                  "compressor": "policy"})
   model = ScriptedChat(CallResult("not json"))
-  compressor = core_compressor(memory, {"policy": model, "answer": None})
+  editors = memory_editors(memory, {"policy": model, "answer": None})
+  assert editors.summarize_merge is None
   bank, _ = _over_the_cap(None)
   bank.core = IDENTITY + "\n" + "y" * 150
   session = Session("s", 0, None, "", (Turn("t1", "user", "user", "hi"),))
   stats = collections.Counter()
   apply_to_copy(bank, session, parse(
       "CORE:APPEND|Runs\nEPISODIC:SKIP\nSEMANTIC:SKIP\nPROCEDURAL:SKIP"),
-      ENCODER, memory, compressor, stats)
+      ENCODER, memory, editors, stats)
   assert stats == {"core_compressions": 1, "core_compression_failures": 1,
                    "core_truncations": 1}
   with pytest.raises(ValueError, match="no answer model"):
-    core_compressor(_with(memory, compressor="answer"), {"policy": model})
-  assert core_compressor(_with(memory, compressor="none"), {}) is None
+    memory_editors(_with(memory, compressor="answer"), {"policy": model})
+  assert memory_editors(_with(memory, compressor="none"), {}) == MemoryEditors()
 
 
 def _with(memory, **changes):
   copy = memory.copy_and_resolve_references()
   copy.update(changes)
   return copy
+
+
+OLDS = ("2024-03-15: Alex's first Italian cooking class with Marco",
+        "2024-03-22: Alex's second cooking class, made fresh pasta")
+DRAFT = "2024-03-15 to 2024-03-22: Alex's Italian cooking classes"
+MERGE_RESPONSE = ("CORE:APPEND|Cooks\nEPISODIC:MERGE|" + "|".join(OLDS) + "|" + DRAFT
+                  + "\nSEMANTIC:SKIP\nPROCEDURAL:SKIP")
+
+
+def _episodic_bank():
+  bank = MemoryBank("u", ENCODER.dim)
+  bank, _ = apply_operations(bank, [
+      Operation(MemoryType.EPISODIC, Action.ADD, (old,)) for old in OLDS],
+      ENCODER, session_index=0)
+  return bank
+
+
+def test_merge_text_comes_from_listing_9():
+  summary = ("2024-03-15 to 2024-03-22: two Italian cooking classes with "
+             "Marco; Alex made fresh pasta in the second")
+  model = ScriptedChat(CallResult(f"  {summary}\n"))
+  merger = ChatMergeSummarizer(model)
+  before = _episodic_bank()
+  after, report = apply_operations(
+      before, parse(MERGE_RESPONSE).operations, ENCODER, session_index=1,
+      editors=MemoryEditors(summarize_merge=merger))
+  merged = after.stores[MemoryType.EPISODIC].entries[-1]
+  assert merged.text == summary and report.merges_summarized == 1
+  assert merged.links == tuple(
+      e.entry_id for e in before.stores[MemoryType.EPISODIC].entries)
+  # The stored vector is the summary's, not the draft's.
+  assert after.stores[MemoryType.EPISODIC].find_exact(summary) == 2
+  (prompt,) = model.prompts
+  assert prompt.startswith("You are a memory management assistant. Merge "
+                           "the following episodic")
+  assert prompt.endswith("Memories to merge:\n" + "\n".join(
+      f"- {m}" for m in (*OLDS, DRAFT)))
+  assert merger.calls == 1
+  # ADD and UPDATE never reach the summariser.
+  apply_operations(before, [Operation(MemoryType.EPISODIC, Action.UPDATE,
+                                      (OLDS[0], "x"))], ENCODER,
+                   session_index=1, editors=MemoryEditors(summarize_merge=merger))
+  assert merger.calls == 1
+
+
+@pytest.mark.parametrize("reply", [CallResult(None, "timeout"),
+                                   CallResult("   ")])
+def test_a_failed_merge_summary_keeps_the_policy_text_and_counts(reply):
+  memory = _with(memory_defaults(), merge_summarizer="answer")
+  editors = memory_editors(memory, {"policy": None,
+                                    "answer": ScriptedChat(reply)})
+  stats = collections.Counter()
+  session = Session("s", 1, None, "", (Turn("t1", "user", "user", "hi"),))
+  after = apply_to_copy(_episodic_bank(), session, parse(MERGE_RESPONSE),
+                        ENCODER, memory, editors, stats)
+  assert after.stores[MemoryType.EPISODIC].entries[-1].text == DRAFT
+  assert stats == {"merge_summary_failures": 1}
