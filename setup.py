@@ -31,7 +31,11 @@ setuptools.setup(
             "pytest-timeout>=2.4.0",
             "hypothesis>=6.170",
             "accelerate>=1.0",  # transformers needs it to load GGUF files.
+            # tools/plan.py compiles for TPU topologies in the tests.
+            "jax[tpu]",
         ],
+        # libtpu: run on TPUs, or compile for them anywhere (tools/plan.py).
+        "tpu": ["jax[tpu]"],
     },
     license="Apache-2.0",
 )

@@ -22,7 +22,8 @@ from configs import tiny
 # Fields a hardware config may set; everything else comes from here.
 HARDWARE_FIELDS = (
     "mesh", "encoder.kind", "encoder.endpoint", "encoder.query_prefix",
-    "policy.dtype", "policy.param_dtype", "policy.remat", "rollout.engine",
+    "policy.dtype", "policy.param_dtype", "policy.remat",
+    "policy.attention_impl", "rollout.engine", "rollout.max_rows_per_wave",
     "rollout.vllm", "rollout.buckets")
 
 

@@ -1,5 +1,6 @@
-"""The paper's setting (`qwen3_4b.py`, Table 7) on a TPU mesh: JAX rollouts,
-the Qwen3-Embedding encoder in process, bf16 compute with full remat.
+"""The paper's setting (`qwen3_4b.py`, Table 7) on a TPU slice: JAX rollouts,
+the Qwen3-Embedding encoder in process, bf16 compute with full remat, the
+Pallas splash-attention kernel (`policy.attention_impl="auto"` on TPU).
 
   python -m cmimem_jax.train --config=configs/qwen3_4b_tpu.py --workdir=gs://... \
       --config.policy.path=/ckpt/Qwen3-4B-Instruct-2507 \
@@ -7,8 +8,20 @@ the Qwen3-Embedding encoder in process, bf16 compute with full remat.
       --config.dataset.path=/data/longmemeval_rl_split_qa.json \
       --config.qa.answer.base_url=... --config.qa.judge_endpoint.base_url=...
 
-`python tools/plan.py --config=configs/qwen3_4b_tpu.py --mesh=fsdp:8,tensor:1`
-compiles this train step ahead of time and reports per-device memory.
+Table 7 as written (prompts up to 20,000 tokens, responses up to 6,000,
+32 sessions x 8 rollouts per step, 32 micro-batches) fits a v5p-8,
+proven by the compiled plan (`BENCHMARKS.md`):
+
+  pip install -e ".[tpu]"
+  python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8 --batch=1,2
+
+* train step, 26,000 tokens per row: 2 rows per chip (one micro-batch of
+  8 rows over 4 chips) need 51.5 GiB of the 95 GiB HBM (5 rows fit);
+* rollouts: 8 sessions x 8 rollouts per chip decode over one shared
+  20k-token prompt cache per session in 82.4 GiB; decoding in two waves
+  (`max_rows_per_wave` = 128 rows = 4 sessions per chip, 43.8 GiB) leaves
+  room for the optimizer state that stays resident. The same setting fits
+  a v6e-8 (32 GiB: 1 training row and 2 sessions per chip, 26.0 / 21.8 GiB).
 """
 
 import ml_collections
@@ -21,7 +34,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.mesh = "fsdp:-1"  # ZeRO-3 over every chip; e.g. fsdp:4,tensor:2.
   config.encoder.kind = "qwen3_embedding"
   config.policy.update({"dtype": "bfloat16", "param_dtype": "float32",
-                        "remat": "full"})
+                        "remat": "full", "attention_impl": "auto"})
   config.rollout.update({"engine": "jax",
-                         "buckets": (4096, 8192, 12288, 16384, 20000)})
+                         "buckets": (4096, 8192, 12288, 16384, 20000),
+                         "max_rows_per_wave": 128})
   return config

@@ -31,6 +31,11 @@ import time
 from collections.abc import Callable
 
 
+# = models.attention.ATTENTION_IMPLS, spelled out: the flags are parsed
+# before jax may be imported (XLA_FLAGS below).
+ATTENTION_CHOICES = ("auto", "batched", "per_head", "splash", "cudnn")
+
+
 def _parse_args(argv: list[str]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   sub = parser.add_subparsers(dest="command", required=True)
@@ -58,7 +63,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                        else 2)
     model.add_argument("--devices", type=int, default=1)
     model.add_argument("--attention_impl", default="auto",
-                       choices=["auto", "batched", "per_head"])
+                       choices=ATTENTION_CHOICES)
   train = sub.add_parser("train_step",
                          help="one GRPO train step vs one forward pass")
   train.add_argument("--model", default="smollm2_135m")
@@ -71,7 +76,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
   train.add_argument("--reps", type=int, default=3)
   train.add_argument("--devices", type=int, default=1)
   train.add_argument("--attention_impl", default="auto",
-                     choices=["auto", "batched", "per_head"])
+                     choices=ATTENTION_CHOICES)
   return parser.parse_args(argv)
 
 

@@ -4,12 +4,16 @@
   python tools/compare_reference.py --hf_checkpoint=DIR --kind=embedding
   python tools/compare_reference.py --hf_checkpoint=DIR --kind=bert
   python tools/compare_reference.py --gguf=FILE [--hf_checkpoint=DIR]
+  python tools/compare_reference.py --hf_checkpoint=DIR --attention_impl=splash
 
 Both sides load the same checkpoint in float32 and run the same padded token
 batch (left padding for decoders, right for BERT). Prints one JSON line:
 `{"kind", "max_abs_diff", "mean_abs_diff", "n_tokens", ...}` over logits of
 real tokens (causal LM) or pooled, L2-normalised embeddings (encoders). With
 --gguf, both load the GGUF file (transformers dequantises it itself).
+--attention_impl picks our decoders' attention backend (`models.attention`;
+"splash" runs the Pallas kernel in interpret mode on a CPU); the JSON line
+then carries it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import os
 import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from cmimem_jax.models.attention import ATTENTION_IMPLS  # noqa: E402
 
 
 def _batch(vocab: int, seed: int, left: bool, batch: int = 4,
@@ -41,7 +48,7 @@ def _diff(ours: np.ndarray, ref: np.ndarray, kind: str, n_tokens: int) -> dict:
 
 
 def compare_causal_lm(directory: str | None, gguf: str | None,
-                      seed: int) -> dict:
+                      seed: int, attention_impl: str = "auto") -> dict:
   import torch
   import transformers
 
@@ -50,11 +57,11 @@ def compare_causal_lm(directory: str | None, gguf: str | None,
     folder, name = os.path.dirname(os.path.abspath(gguf)), os.path.basename(gguf)
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, torch_dtype=torch.float32).eval()
-    ours = load_gguf(gguf)
+    ours = load_gguf(gguf, attention_impl=attention_impl)
   else:
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         directory, torch_dtype=torch.float32).eval()
-    ours = load_hf(directory)
+    ours = load_hf(directory, attention_impl=attention_impl)
   tokens, mask = _batch(ours.config.vocab_size, seed, left=True)
   positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
   with torch.no_grad():
@@ -69,7 +76,8 @@ def compare_causal_lm(directory: str | None, gguf: str | None,
   return result
 
 
-def compare_embedding(directory: str, seed: int) -> dict:
+def compare_embedding(directory: str, seed: int,
+                      attention_impl: str = "auto") -> dict:
   import torch
   import transformers
 
@@ -77,7 +85,7 @@ def compare_embedding(directory: str, seed: int) -> dict:
   from cmimem_jax.models.qwen3 import load_hf, positions_from_mask
   ref = transformers.AutoModel.from_pretrained(
       directory, torch_dtype=torch.float32).eval()
-  ours = load_hf(directory, lm_head=False)
+  ours = load_hf(directory, lm_head=False, attention_impl=attention_impl)
   tokens, mask = _batch(ours.config.vocab_size, seed, left=True)
   positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
   with torch.no_grad():
@@ -117,17 +125,24 @@ def main(argv: list[str]) -> dict:
                       default="causal_lm")
   parser.add_argument("--gguf", help="GGUF file (causal_lm only)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--attention_impl", default="auto",
+                      choices=ATTENTION_IMPLS,
+                      help="our decoders' attention backend")
   args = parser.parse_args(argv)
   if not args.hf_checkpoint and not args.gguf:
     parser.error("give --hf_checkpoint and/or --gguf")
   if args.kind == "causal_lm":
-    result = compare_causal_lm(args.hf_checkpoint, args.gguf, args.seed)
+    result = compare_causal_lm(args.hf_checkpoint, args.gguf, args.seed,
+                               args.attention_impl)
   elif args.gguf:
     parser.error("--gguf is for --kind=causal_lm")
   elif args.kind == "embedding":
-    result = compare_embedding(args.hf_checkpoint, args.seed)
+    result = compare_embedding(args.hf_checkpoint, args.seed,
+                               args.attention_impl)
   else:
     result = compare_bert(args.hf_checkpoint, args.seed)
+  if args.kind != "bert":
+    result["attention_impl"] = args.attention_impl
   print(json.dumps(result))
   return result
 

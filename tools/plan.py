@@ -1,45 +1,118 @@
-"""Ahead-of-time memory/FLOP plan of the real train step on a device mesh.
+"""Ahead-of-time memory/FLOP plan of the real train step and rollout
+programs on a TPU topology (or fake CPU devices).
 
-  python tools/plan.py --config=configs/qwen3_4b_tpu.py --mesh=fsdp:8,tensor:1 \
-      [--batch=8 --length=4096] [--budgets=16,32,95]
+  pip install -e ".[tpu]"       # libtpu: compiles for TPUs on any machine
+  python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8
+  python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=cpu:8 \
+      --mesh=fsdp:4,tensor:2 --length=4096 --batch=1,2 --budgets=16,32
 
-Fakes as many CPU devices as the mesh needs, builds the policy's train step
-from abstract shapes only (no weights are read or allocated), compiles it
-with XLA and prints one JSON line per (batch, length) with XLA's own
-per-device memory analysis (arguments, temporaries, outputs) and its FLOP
-count, then, per length, the largest per-device micro-batch that fits each
-per-device budget (GiB), from a linear fit of the two compiled batch sizes
-(memory is affine in the batch: weights + optimizer state + per-row
-activations). Compiled for CPU: the TPU/GPU backends lay memory out
-differently, so read the numbers as a plan, not a guarantee.
+Builds every program from abstract shapes only (no weights are read or
+allocated), compiles it with XLA for the topology's devices
+(`jax.experimental.topologies`, as MaxText's `train_compile.py` does) and
+prints one JSON line per program:
+
+* `train`: the GRPO step (`rl.trainer.jit_train_step`) at
+  `max_prompt_tokens + max_new_tokens` tokens per row (default), `--batch`
+  rows per chip;
+* `rollout_prefill`: `--batch` prompts (sessions) per chip through the
+  model into their shared prompt KV cache, last-position logits;
+* `rollout_decode`: one decoding step of the `rollout.num_rollouts` rows
+  of each prompt, over the shared prompt cache and the rows' own caches
+  sized for `max_new_tokens` (`sampling.Sampler`'s layout).
+
+Each line has XLA's per-chip memory (arguments, temporaries, outputs,
+aliased, total) and `fits` against the chip's HBM, XLA's FLOPs and bytes
+accessed (`xla_*`: XLA counts a loop body once, so the 36-layer scan
+counts as one layer), the model's own per-chip FLOPs and minimum HBM
+traffic (`model_*`: every layer, pass and token; `step_cost`) and the
+roofline step time max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth)
+from those and the chip's published figures (`CHIPS`, with their source).
+With two or more `--batch` values, a summary line per program fits memory
+as affine in rows per chip and gives the most rows per chip that fit.
+`--topology=cpu:N` compiles for N fake CPU devices (memory layout differs
+from TPUs: a plan, not a guarantee).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Callable
+
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+GIB = 2.0 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """Published per-chip figures (bf16 dense peak, HBM size and bandwidth)."""
+  hbm_gib: float
+  peak_bf16_tflops: float
+  hbm_gbytes_per_s: float
+  source: str
+
+
+CHIPS = {
+    "v5p": Chip(95, 459, 2765, "https://cloud.google.com/tpu/docs/v5p"),
+    "v6e": Chip(32, 918, 1640, "https://cloud.google.com/tpu/docs/v6e"),
+    "v5e": Chip(16, 197, 819, "https://cloud.google.com/tpu/docs/v5e"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """A named TPU slice: `jax.experimental.topologies` arguments."""
+  name: str
+  chip: str
+  chip_config: str
+
+
+# One device per chip (v5p runs its two TensorCores as one: megacore).
+TOPOLOGIES = {
+    "v5p-8": Topology("v5:2x2x1", "v5p", "megacore"),
+    "v5p-16": Topology("v5:2x2x2", "v5p", "megacore"),
+    "v5p-32": Topology("v5:2x2x4", "v5p", "megacore"),
+    "v6e-8": Topology("v6e:2x4", "v6e", "default"),
+    "v6e-16": Topology("v6e:4x4", "v6e", "default"),
+    "v5e-16": Topology("v5e:4x4", "v5e", "default"),
+}
 
 
 def _args(argv):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--config", required=True)
-  parser.add_argument("--mesh", default="fsdp:8,tensor:1")
-  parser.add_argument("--batch", default="",
-                      help="per-device rows, comma separated (default: 1,2)")
-  parser.add_argument("--length", default="4096",
-                      help="prompt + completion tokens, comma separated")
+  parser.add_argument("--topology", default="cpu:8",
+                      help=f"one of {sorted(TOPOLOGIES)} or cpu:N")
+  parser.add_argument("--mesh", default="",
+                      help="mesh axes (default: fsdp over every device)")
+  parser.add_argument("--programs", default="train,rollout_prefill,"
+                      "rollout_decode")
+  parser.add_argument("--batch", default="1",
+                      help="per chip, comma separated: training rows; "
+                      "rollout prompts (each with rollout.num_rollouts rows)")
+  parser.add_argument("--length", default="",
+                      help="prompt + completion tokens, comma separated "
+                      "(default: the config's max_prompt_tokens + "
+                      "max_new_tokens)")
   parser.add_argument("--completion", type=int, default=0,
-                      help="completion tokens (default: a quarter)")
-  parser.add_argument("--budgets", default="16,32,95")
+                      help="completion tokens (default: the config's "
+                      "max_new_tokens, capped at a quarter of --length)")
+  parser.add_argument("--budgets", default="",
+                      help="per-chip GiB budgets for the fit (default: the "
+                      "chip's HBM; cpu: 16,32,95)")
   parser.add_argument("--layers", type=int, default=0,
                       help="override the layer count (smoke tests)")
+  parser.add_argument("--markdown", action="store_true",
+                      help="also print the compiled programs as a table")
   return parser.parse_args(argv)
 
 
@@ -51,39 +124,146 @@ def _load_config(path: str):
   return module.get_config()
 
 
+def _devices(topology: str):
+  """(devices, Chip or None) of a topology name."""
+  import jax
+  if topology.startswith("cpu:"):
+    return jax.devices("cpu")[:int(topology[4:])], None
+  if topology not in TOPOLOGIES:
+    raise SystemExit(f"--topology must be one of {sorted(TOPOLOGIES)} or "
+                     f"cpu:N, got {topology!r}")
+  spec = TOPOLOGIES[topology]
+  from jax.experimental import topologies
+  try:
+    desc = topologies.get_topology_desc(platform="tpu",
+                                        topology_name=spec.name,
+                                        chip_config_name=spec.chip_config)
+  except Exception as e:  # No libtpu, or one too old for this chip.
+    raise SystemExit(f"cannot describe {topology} ({e}); is the TPU extra "
+                     "installed? pip install -e \".[tpu]\"") from e
+  return desc.devices, CHIPS[spec.chip]
+
+
+def step_cost(c, program: str, rows: int, length: int, completion: int,
+              passes: int, group: int) -> tuple[float, float]:
+  """(FLOPs, minimum HBM bytes) of one program call for `rows` rows on one
+  chip, counted from the architecture `c` (a `Qwen3Config`): matmuls
+  2·in·out per token, causal attention 2·2·heads·head_dim per (query, key)
+  pair, the LM head over the tokens whose logits are taken. `passes`: the
+  layer stack's passes in a train step (forward, remat re-forward,
+  backward x2, the KL reference's forward). Rollouts: `rows` prompts of
+  `group` rows each. Bytes: the compute-dtype weights once per pass, plus
+  the KV cache a rollout writes or reads (a prompt's once per group)."""
+  q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+  hid = c.hidden_size
+  layer = 2 * (hid * q + 2 * hid * kv + q * hid + 3 * hid * c.intermediate_size)
+  attend = lambda queries, keys: 4 * c.num_attention_heads * c.head_dim * (  # noqa
+      queries * keys)
+  head = 2 * hid * c.vocab_size
+  weights = (c.num_hidden_layers * layer / 2 + hid * c.vocab_size) * (
+      np.dtype(c.compute_dtype).itemsize)
+  cache_per_token = (2 * c.num_hidden_layers * kv
+                     * np.dtype(c.compute_dtype).itemsize)
+  L = c.num_hidden_layers
+  if program == "train":
+    flops = passes * L * rows * (layer * length + attend(length, length / 2))
+    flops += (passes - 1) * rows * completion * head  # No remat of the head.
+    return flops, passes * weights
+  if program == "rollout_prefill":
+    prompt = length - completion
+    flops = L * rows * (layer * prompt + attend(prompt, prompt / 2)) + (
+        rows * head)
+    return flops, weights + rows * prompt * cache_per_token
+  # rollout_decode: one token per row over its prompt's and its own cache.
+  decoded = rows * group
+  flops = L * decoded * (layer + attend(1, length)) + decoded * head
+  return flops, weights + (rows * (length - completion) + decoded * (
+      completion)) * cache_per_token
+
+
+def measure(compiled, chip, cost: tuple[float, float]) -> dict:
+  """Per-chip memory, XLA's and the model's cost, and the roofline of a
+  compiled program."""
+  memory = compiled.memory_analysis()
+  xla = compiled.cost_analysis()
+  xla = (xla[0] if isinstance(xla, list) else xla) or {}
+  total = (memory.argument_size_in_bytes + memory.temp_size_in_bytes
+           + memory.output_size_in_bytes - memory.alias_size_in_bytes)
+  flops, accessed = cost
+  row = {
+      "arguments_gib": round(memory.argument_size_in_bytes / GIB, 3),
+      "temporaries_gib": round(memory.temp_size_in_bytes / GIB, 3),
+      "outputs_gib": round(memory.output_size_in_bytes / GIB, 3),
+      "aliased_gib": round(memory.alias_size_in_bytes / GIB, 3),
+      "total_gib": round(total / GIB, 3),
+      "xla_tflops": round(float(xla.get("flops", 0.0)) / 1e12, 3),
+      "xla_bytes_accessed_gib": round(
+          float(xla.get("bytes accessed", 0.0)) / GIB, 3),
+      "model_tflops": round(flops / 1e12, 3),
+      "model_bytes_gib": round(accessed / GIB, 3)}
+  if chip is not None:
+    compute_s = flops / (chip.peak_bf16_tflops * 1e12)
+    memory_s = accessed / (chip.hbm_gbytes_per_s * 1e9)
+    row.update(roofline_s=round(max(compute_s, memory_s), 4),
+               bound="compute" if compute_s >= memory_s else "memory",
+               hbm_gib=chip.hbm_gib, fits=total <= chip.hbm_gib * GIB)
+  return row
+
+
 def main(argv=None) -> list[dict]:
   args = _args(argv)
-  from cmimem_jax.parallel.mesh import parse_mesh_shape
-  shape = parse_mesh_shape(args.mesh)
-  if -1 in shape.values():
-    raise SystemExit("--mesh needs explicit sizes (no -1)")
-  devices = math.prod(shape.values())
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={devices}")
+  # Compiling touches no TPU: several planners (or a test run beside one)
+  # may load libtpu at once instead of waiting on its lockfile.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  if args.topology.startswith("cpu:"):
+    count = int(args.topology[4:])
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+      os.environ["XLA_FLAGS"] = (
+          f"{flags} --xla_force_host_platform_device_count={count}")
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from flax import nnx
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-  from cmimem_jax.models.qwen3 import preset
+  from cmimem_jax.models.attention import resolve_impl
+  from cmimem_jax.models.qwen3 import KVCache, preset
   from cmimem_jax.models.qwen3.params import abstract_model
-  from cmimem_jax.parallel import (BATCH_AXES, make_mesh,
-                                   optimizer_shardings, param_shardings)
+  from cmimem_jax.parallel import (BATCH_AXES, optimizer_shardings,
+                                   param_shardings)
+  from cmimem_jax.parallel.mesh import AXES, parse_mesh_shape
   from cmimem_jax.rl.losses import GRPOLossConfig
   from cmimem_jax.rl.trainer import (OptimizerConfig, TrainStepConfig,
                                      jit_train_step, make_optimizer)
-  from flax import nnx
 
+  devices, chip = _devices(args.topology)
+  shape = parse_mesh_shape(args.mesh or f"fsdp:{len(devices)}")
+  if math.prod(shape.values()) != len(devices):
+    raise SystemExit(f"--mesh {shape} does not use the {len(devices)} "
+                     f"devices of {args.topology}")
+  mesh = Mesh(np.array(devices).reshape([shape[a] for a in AXES]), AXES)
   config = _load_config(args.config)
   policy = config.policy
   overrides = dict(dtype=policy.dtype, param_dtype=policy.param_dtype,
-                   remat=policy.remat)
+                   remat=policy.remat,
+                   attention_impl=policy.get("attention_impl", "auto"))
   if args.layers:
     overrides["num_hidden_layers"] = args.layers
   model_config = preset(policy.preset, **overrides)
-  mesh = make_mesh(shape)
   graphdef, state = nnx.split(abstract_model(model_config), nnx.Param)
   params = nnx.to_pure_dict(state)
   p_shardings = param_shardings(params, mesh)
+  shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+  def abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=s), tree, shardings)
+
+  def spec(dtype, *dims):
+    return jax.ShapeDtypeStruct(dims, dtype, sharding=NamedSharding(
+        mesh, P(BATCH_AXES, *([None] * (len(dims) - 1)))))
+
+  a_params = abstract(params, p_shardings)
   rl = config.rl
   step_config = TrainStepConfig(
       loss=GRPOLossConfig(rl.epsilon_low, rl.epsilon_high, rl.kl_beta),
@@ -91,72 +271,155 @@ def main(argv=None) -> list[dict]:
       micro_batches=1, temperature=config.rollout.temperature,
       logprob_chunk=rl.logprob_chunk)
   optimizer = make_optimizer(step_config.optimizer)
-  o_shardings = optimizer_shardings(optimizer, params, p_shardings, mesh)
   with_ref = rl.kl_beta > 0
-  step = jit_train_step(graphdef, step_config, mesh, optimizer, p_shardings,
-                        o_shardings, with_reference=with_ref)
-  abstract = lambda tree, shardings: jax.tree.map(  # noqa: E731
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
-      shardings)
-  a_params = abstract(params, p_shardings)
+  # Forward + backward (x2), the remat re-forward, the reference forward.
+  passes = 3 + (model_config.remat != "none") + with_ref
+
+  # Outside the mesh context: these run eagerly, on the host.
+  o_shardings = optimizer_shardings(optimizer, params, p_shardings, mesh)
   a_opt = abstract(jax.eval_shape(optimizer.init, params), o_shardings)
-  shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
-  gib = 2.0 ** 30
+
+  def train(batch: int, length: int, completion: int):
+    step = jit_train_step(graphdef, step_config, mesh, optimizer,
+                          p_shardings, o_shardings, with_reference=with_ref)
+    a_batch = {"tokens": spec(jnp.int32, batch, length),
+               "mask": spec(jnp.int32, batch, length),
+               "loss_mask": spec(jnp.int32, batch, length),
+               "old_logprobs": spec(jnp.float32, batch, length),
+               "advantages": spec(jnp.float32, batch),
+               "token_weights": spec(jnp.float32, batch, length)}
+    return step.lower(length - completion, a_params, a_opt, a_batch,
+                      a_params if with_ref else None, None)
+
+  cache_spec = NamedSharding(mesh, P(None, None, "tensor", BATCH_AXES, None))
+
+  def abstract_cache(batch: int, length: int):
+    cache = jax.eval_shape(lambda: KVCache.zeros(model_config, batch, length))
+    return KVCache(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                     for x, s in ((cache.keys, cache_spec),
+                                  (cache.values, cache_spec),
+                                  (cache.valid, NamedSharding(
+                                      mesh, P(BATCH_AXES, None))))))
+
+  group = config.rollout.num_rollouts
+
+  def prefill(prompts: int, length: int, completion: int):
+    def run(params, tokens, positions, mask, cache):
+      model = nnx.merge(graphdef, params)
+      hidden, cache = model.hidden_states(tokens, positions, mask, cache, 0)
+      return model.logits(hidden[:, -1]), cache
+    prompt = length - completion
+    return jax.jit(run, donate_argnums=(4,)).lower(
+        a_params, spec(jnp.int32, prompts, prompt),
+        spec(jnp.int32, prompts, prompt), spec(jnp.int32, prompts, prompt),
+        abstract_cache(prompts, prompt))
+
+  def decode(prompts: int, length: int, completion: int):
+    def run(params, token, position, mask, prompt_cache, cache, index):
+      model = nnx.merge(graphdef, params)
+      logits, cache = model(token, position, mask, cache, index,
+                            prefix=prompt_cache)
+      return logits[:, 0], cache
+    rows = prompts * group
+    return jax.jit(run, donate_argnums=(5,)).lower(
+        a_params, spec(jnp.int32, rows, 1), spec(jnp.int32, rows, 1),
+        spec(jnp.int32, rows, 1),
+        abstract_cache(prompts, length - completion),
+        abstract_cache(rows, completion),
+        jax.ShapeDtypeStruct((), jnp.int32))
+
+  programs: dict[str, Callable] = {"train": train, "rollout_prefill": prefill,
+                                   "rollout_decode": decode}
+  names = [p for p in args.programs.split(",") if p]
+  unknown = set(names) - set(programs)
+  if unknown:
+    raise SystemExit(f"unknown programs {sorted(unknown)}; known: "
+                     f"{sorted(programs)}")
+  rollout = config.rollout
+  lengths = ([int(x) for x in args.length.split(",")] if args.length else
+             [rollout.max_prompt_tokens + rollout.max_new_tokens])
+  budgets = ([float(x) for x in args.budgets.split(",")] if args.budgets
+             else [chip.hbm_gib] if chip else [16.0, 32.0, 95.0])
+  per_chip = [int(b) for b in args.batch.split(",")]
   rows = []
-  for length in (int(x) for x in args.length.split(",")):
-    completion = args.completion or length // 4
-    fits = {}
-    per_device_batches = [int(b) for b in (args.batch or "1,2").split(",")]
-    points = []
-    for per_device in per_device_batches:
-      batch = per_device * shards
-      spec = lambda *dims: jax.ShapeDtypeStruct(  # noqa: E731
-          dims[1:], dims[0], sharding=NamedSharding(
-              mesh, P(BATCH_AXES, *([None] * (len(dims) - 2)))))
-      a_batch = {"tokens": spec(jnp.int32, batch, length),
-                 "mask": spec(jnp.int32, batch, length),
-                 "loss_mask": spec(jnp.int32, batch, length),
-                 "old_logprobs": spec(jnp.float32, batch, length),
-                 "advantages": spec(jnp.float32, batch),
-                 "token_weights": spec(jnp.float32, batch, length)}
-      start = time.perf_counter()
-      compiled = step.lower(length - completion, a_params, a_opt, a_batch,
-                            a_params if with_ref else None, None).compile()
-      compile_s = time.perf_counter() - start
-      memory = compiled.memory_analysis()
-      cost = compiled.cost_analysis()
-      cost = cost[0] if isinstance(cost, list) else cost
-      total = (memory.argument_size_in_bytes + memory.temp_size_in_bytes
-               + memory.output_size_in_bytes - memory.alias_size_in_bytes)
-      points.append((per_device, total))
-      row = {
-          "mesh": dict(mesh.shape), "devices": devices,
-          "layers": model_config.num_hidden_layers,
-          "global_batch": batch, "per_device_batch": per_device,
-          "length": length, "completion": completion,
-          "arguments_gib": round(memory.argument_size_in_bytes / gib, 3),
-          "temporaries_gib": round(memory.temp_size_in_bytes / gib, 3),
-          "outputs_gib": round(memory.output_size_in_bytes / gib, 3),
-          "aliased_gib": round(memory.alias_size_in_bytes / gib, 3),
-          "per_device_total_gib": round(total / gib, 3),
-          "tflops_per_device_step": round(cost.get("flops", 0.0) / 1e12, 2),
-          "compile_s": round(compile_s, 1)}
-      rows.append(row)
-      print(json.dumps(row), flush=True)
-    if len(points) >= 2:
-      (b0, m0), (b1, m1) = points[0], points[-1]
-      per_row = (m1 - m0) / (b1 - b0)
-      fixed = m0 - per_row * b0
-      for budget in (float(x) for x in args.budgets.split(",")):
-        fits[f"{budget:g}GiB"] = (max(0, int((budget * gib - fixed) // per_row))
-                                  if per_row > 0 else None)
-      summary = {"mesh": dict(mesh.shape), "length": length,
-                 "fixed_gib": round(fixed / gib, 3),
-                 "per_row_gib": round(per_row / gib, 3),
-                 "max_per_device_batch": fits}
-      rows.append(summary)
-      print(json.dumps(summary), flush=True)
+  for length in lengths:
+    completion = args.completion or min(rollout.max_new_tokens, length // 4)
+    for name in names:
+      points = []
+      for rows_per_chip in per_chip:
+        start = time.perf_counter()
+        # The mesh in context: the splash kernel shards itself over it.
+        with jax.set_mesh(mesh):
+          lowered = programs[name](rows_per_chip * shards, length, completion)
+          # Decoding attends over the cache on the XLA path.
+          impl = ("cached_xla" if name == "rollout_decode" else resolve_impl(
+              model_config.attention_impl, length, model_config.compute_dtype))
+          try:
+            measured = measure(lowered.compile(), chip, step_cost(
+                model_config, name, rows_per_chip, length, completion,
+                passes, group))
+          except jax.errors.JaxRuntimeError as e:
+            # The TPU compiler refuses a program over its HBM.
+            if "RESOURCE_EXHAUSTED" not in str(e):
+              raise
+            measured = {"fits": False, "error": str(e).splitlines()[0][:300]}
+        row = {"program": name, "topology": args.topology,
+               "device_kind": devices[0].device_kind,
+               "devices": len(devices), "mesh": dict(mesh.shape),
+               "layers": model_config.num_hidden_layers,
+               "attention_impl": impl,
+               "rows_per_chip": rows_per_chip,
+               **({"rollouts_per_prompt": group}
+                  if name == "rollout_decode" else {}),
+               "global_batch": rows_per_chip * shards, "length": length,
+               "completion": completion, **measured,
+               "compile_s": round(time.perf_counter() - start, 1)}
+        if "total_gib" in row:
+          points.append((rows_per_chip, row["total_gib"]))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+      if len(points) >= 2:
+        rows.append(_fit(name, length, points, budgets))
+        print(json.dumps(rows[-1]), flush=True)
+  if args.markdown:
+    print(to_markdown(rows))
   return rows
+
+
+MARKDOWN_COLUMNS = (
+    ("topology", "topology"), ("program", "program"),
+    ("rows_per_chip", "rows (prompts) / chip"), ("length", "tokens"),
+    ("arguments_gib", "arguments GiB"), ("temporaries_gib", "temporaries GiB"),
+    ("outputs_gib", "outputs GiB"), ("aliased_gib", "aliased GiB"),
+    ("total_gib", "total GiB"), ("hbm_gib", "HBM GiB"), ("fits", "fits"),
+    ("model_tflops", "TFLOP / chip"), ("model_bytes_gib", "HBM traffic GiB"),
+    ("roofline_s", "roofline s"), ("bound", "bound"),
+    ("compile_s", "compile s"))
+
+
+def to_markdown(rows: list[dict]) -> str:
+  """The compiled programs (not the fit summaries) as a Markdown table."""
+  lines = ["| " + " | ".join(title for _, title in MARKDOWN_COLUMNS) + " |",
+           "|" + "---|" * len(MARKDOWN_COLUMNS)]
+  for row in rows:
+    if "topology" in row:
+      lines.append("| " + " | ".join(
+          str(row.get(key, "—")).lower() if key == "fits" else
+          str(row.get(key, "—")) for key, _ in MARKDOWN_COLUMNS) + " |")
+  return "\n".join(lines)
+
+
+def _fit(name: str, length: int, points: list[tuple[int, float]],
+         budgets: list[float]) -> dict:
+  """Memory is affine in the rows per chip (weights + optimizer state + per
+  row activations / cache): the most rows that fit each budget."""
+  (b0, m0), (b1, m1) = points[0], points[-1]
+  per_row = (m1 - m0) / (b1 - b0)
+  fixed = m0 - per_row * b0
+  fits = {f"{budget:g}GiB": (max(0, int((budget - fixed) // per_row))
+                             if per_row > 0 else None) for budget in budgets}
+  return {"program": name, "length": length, "fixed_gib": round(fixed, 3),
+          "per_row_gib": round(per_row, 3), "max_rows_per_chip": fits}
 
 
 if __name__ == "__main__":

@@ -249,9 +249,12 @@ class Learner:
     # step per prompt bucket).
     covered = np.flatnonzero(np.asarray(batch["loss_mask"]).any(axis=0))
     first_column = max(int(covered[0]) if covered.size else 1, 1)
-    self.params, self.opt_state, stats = self._step(
-        first_column, self.params, self.opt_state, placed, self.ref_params,
-        self.min_budget)
+    # The mesh in context: the splash attention kernel shards itself over
+    # it (`models.attention`).
+    with jax.set_mesh(self.mesh):
+      self.params, self.opt_state, stats = self._step(
+          first_column, self.params, self.opt_state, placed, self.ref_params,
+          self.min_budget)
     metrics = {k: float(v) for k, v in jax.device_get(stats).items()}
     if metrics["update_skipped"]:
       self.skipped_updates += 1

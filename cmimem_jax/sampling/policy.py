@@ -40,7 +40,7 @@ def load_policy(section: Any, vocab_size: int) -> Qwen3:
   SmolLM2); "hf": a HF checkpoint directory.
   """
   runtime = dict(dtype=section.dtype, param_dtype=section.param_dtype,
-                 remat=section.remat)
+                 remat=section.remat, attention_impl=section.attention_impl)
   if section.source == "random":
     config = preset(section.preset, vocab_size=vocab_size,
                     max_position_embeddings=section.max_position_embeddings,
@@ -96,12 +96,14 @@ class ChatPolicy:
   def jax(cls, model: Qwen3, tokenizer: Any, max_prompt_tokens: int,
           buckets: Sequence[int] = DEFAULT_BUCKETS, mesh: Mesh | None = None,
           constraint: TokenConstraint | None = None,
-          **kwargs: Any) -> ChatPolicy:
+          max_rows_per_wave: int = 0, **kwargs: Any) -> ChatPolicy:
     """A policy generating with the JAX `Sampler` over `model` (every
-    completion a match of `constraint`, if given)."""
+    completion a match of `constraint`, if given; at most
+    `max_rows_per_wave` rows decoded at once, 0 = all)."""
     eos_ids, pad_id = special_ids(tokenizer)
     sampler = Sampler(model, SamplingConfig(eos_ids=eos_ids, pad_id=pad_id),
-                      buckets=buckets, mesh=mesh, constraint=constraint)
+                      buckets=buckets, mesh=mesh, constraint=constraint,
+                      max_rows_per_wave=max_rows_per_wave)
     return cls(sampler, tokenizer, max_prompt_tokens, **kwargs)
 
   def set_model(self, model: Qwen3) -> None:

@@ -14,6 +14,7 @@ token budget, on device; the recorded log-probs are under that mask.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -126,27 +127,35 @@ def sample_token(logits: jax.Array, key: jax.Array,
 # only shapes (batch, prompt bucket, the budget cap) and EOS / pad ids select
 # a compiled program.
 @functools.partial(nnx.jit, static_argnames=("max_new_tokens", "eos_ids",
-                                             "pad_id", "cache_length"),
-                   donate_argnames=("cache",), graph=False)
+                                             "pad_id"),
+                   donate_argnames=("prompt_cache", "cache"), graph=False)
 def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
-              cache: KVCache, key: jax.Array, temperature: jax.Array,
-              top_p: jax.Array, budget: jax.Array, stop_table: jax.Array,
+              prompt_cache: KVCache, cache: KVCache, key: jax.Array,
+              temperature: jax.Array, top_p: jax.Array, budget: jax.Array,
+              stop_table: jax.Array,
               constraint: tuple[jax.Array, jax.Array, jax.Array] | None, *,
-              max_new_tokens: int, eos_ids: tuple[int, ...], pad_id: int,
-              cache_length: int):
-  batch, prompt_length = tokens.shape
+              max_new_tokens: int, eos_ids: tuple[int, ...], pad_id: int):
+  """P distinct prompts `tokens` `[P, Tp]` prefilled once into
+  `prompt_cache` `[L, P, Tp, ...]`; B = P·N rows (row b continues prompt
+  b // N) decode into their own `cache` `[L, B, max_new_tokens, ...]`,
+  attending to their prompt's shared keys first."""
+  batch = cache.valid.shape[0]
+  group = batch // tokens.shape[0]
   positions = positions_from_mask(mask)
-  # The cache buffer is reused across calls: forget what it held.
+  # The buffers are reused across calls: forget what they held.
+  prompt_cache = KVCache(prompt_cache.keys, prompt_cache.values,
+                         jnp.zeros_like(prompt_cache.valid))
   cache = KVCache(cache.keys, cache.values, jnp.zeros_like(cache.valid))
-  hidden, cache = model.hidden_states(tokens, positions, mask, cache=cache,
-                                      cache_index=0)
+  hidden, prompt_cache = model.hidden_states(tokens, positions, mask,
+                                             cache=prompt_cache, cache_index=0)
   # Only the last prompt position's logits are needed (the LM head over the
   # whole prompt would dominate prefill for large vocabularies).
-  last_logits = model.logits(hidden[:, -1])
-  layers = None
+  last_logits = jnp.repeat(model.logits(hidden[:, -1]), group, axis=0)
+  layers, prefix = None, prompt_cache
   if model.config.unrolled_decode:
-    layers, cache = model.layer_params(), cache.per_layer()
-  next_position = positions[:, -1] + 1
+    layers = model.layer_params()
+    cache, prefix = cache.per_layer(), prompt_cache.per_layer()
+  next_position = jnp.repeat(positions[:, -1] + 1, group)
   eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
 
   out_tokens = jnp.full((batch, max_new_tokens), pad_id,
@@ -184,8 +193,8 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
     new_done = done | finished
     step_mask = (~done).astype(jnp.int32)[:, None]
     logits, cache = model(token[:, None], next_position[:, None], step_mask,
-                          cache=cache, cache_index=prompt_length + step,
-                          layers=layers)
+                          cache=cache, cache_index=step, layers=layers,
+                          prefix=prefix)
     return (step + 1, logits[:, 0], cache, out_tokens, out_logprobs, new_done,
             lengths, next_position + 1, key, grammar)
 
@@ -195,7 +204,20 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
       jax.lax.while_loop(cond, body, state))
   if layers is not None:
     cache = cache.stacked()
-  return out_tokens, out_logprobs, lengths, cache
+  return out_tokens, out_logprobs, lengths, prompt_cache, cache
+
+
+def shared_prompt_group(prompts: Sequence[Sequence[int]]) -> int:
+  """N when the prompts are groups of N consecutive identical prompts (a
+  GRPO batch: N rollouts per session), else 1."""
+  rows = [tuple(p) for p in prompts]
+  group = 1
+  while group < len(rows) and rows[group] == rows[0]:
+    group += 1
+  if len(rows) % group or any(rows[i] != rows[i - i % group]
+                              for i in range(len(rows))):
+    return 1
+  return group
 
 
 def _ends_with_stop(tokens: jax.Array, step: jax.Array,
@@ -225,15 +247,30 @@ class Sampler:
                stop_sequences: Sequence[Sequence[int]] = (),
                mesh: Mesh | None = None,
                constraint: TokenConstraint | None = None,
-               max_cached_shapes: int = 4):
+               max_cached_shapes: int = 4, share_prompts: bool = True,
+               max_rows_per_wave: int = 0):
     """`mesh`: where the model's (sharded) parameters live; prompts, keys
     and the KV cache are then placed on it too. `constraint`: every
     completion is a match of its regex, then EOS (which must be the first
     of `config.eos_ids`). `max_cached_shapes`: KV buffers kept for reuse
-    (least recently used dropped first)."""
+    (least recently used dropped first). `share_prompts`: groups of
+    identical consecutive prompts are prefilled once and share one prompt
+    KV cache (False: a copy per row; same tokens and log-probs).
+    `max_rows_per_wave`: decode at most this many rows at once (rounded
+    down to whole groups; 0 = all), bounding the KV cache in memory
+    (`tools/plan.py` gives the rows per chip that fit); each wave samples
+    with its own key."""
+    if max_rows_per_wave < 0:
+      raise ValueError("max_rows_per_wave must be >= 0")
     self.model = model
+    self.share_prompts = share_prompts
+    self.max_rows_per_wave = max_rows_per_wave
     self._place = (lambda x: x) if mesh is None else functools.partial(
         jax.device_put, device=NamedSharding(mesh, PartitionSpec()))
+    # The splash attention kernel of a TPU prefill shards over the mesh in
+    # context (`models.attention`).
+    self._mesh_context = ((lambda: contextlib.nullcontext()) if mesh is None
+                          else lambda: jax.set_mesh(mesh))
     self.config = config
     self.buckets = tuple(buckets)
     width = max((len(s) for s in stop_sequences), default=0)
@@ -251,10 +288,10 @@ class Sampler:
           model.config.vocab_size)
       self._constraint_arrays = tuple(self._place(jnp.asarray(x)) for x in (
           next_state, min_budget, np.int32(constraint.initial_state)))
-    # The KV buffers of the most recently used shapes (LRU, bounded: a
-    # server sees many batch / length combinations).
-    self._caches: collections.OrderedDict[tuple[int, int], KVCache] = (
-        collections.OrderedDict())
+    # The (prompt, rows') KV buffers of the most recently used shapes (LRU,
+    # bounded: a server sees many batch / length combinations).
+    self._caches: collections.OrderedDict[
+        tuple[int, ...], tuple[KVCache, KVCache]] = collections.OrderedDict()
     self.max_cached_shapes = max_cached_shapes
 
   def set_model(self, model: Qwen3) -> None:
@@ -298,26 +335,53 @@ class Sampler:
                        f"than the constraint's shortest completion "
                        f"({self.constraint.shortest} tokens)")
     length = bucket_length(max(len(p) for p in prompts), self.buckets)
-    tokens, mask = left_pad(prompts, length, config.pad_id)
-    cache_length = length + config.max_new_tokens
-    if cache_length > self.model.config.max_position_embeddings:
+    if length + config.max_new_tokens > (
+        self.model.config.max_position_embeddings):
       raise ValueError(f"prompt bucket {length} + {config.max_new_tokens} new "
                        f"tokens exceeds max_position_embeddings "
                        f"{self.model.config.max_position_embeddings}")
-    shape = (len(prompts), cache_length)
-    # One preallocated cache per shape, donated to the program and handed
-    # back, so decoding updates it in place and calls never reallocate it.
-    cache = self._caches.pop(shape, None) or self._place(KVCache.zeros(
-        self.model.config, *shape))
+    # Identical consecutive prompts (the N rollouts of a session) are
+    # prefilled once and their KV cache shared by the N rows.
+    group = shared_prompt_group(prompts) if self.share_prompts else 1
+    # Waves of whole groups bound the KV cache held at once.
+    wave = rows
+    if self.max_rows_per_wave:
+      wave = max(group, self.max_rows_per_wave // group * group)
+    keys = [key] if wave >= rows else jax.random.split(key, -(-rows // wave))
+    outs = [self._wave(prompts[start:start + wave], keys[i],
+                       temperature[start:start + wave],
+                       top_p[start:start + wave], budgets[start:start + wave],
+                       config, length, group)
+            for i, start in enumerate(range(0, rows, wave))]
+    if len(outs) == 1:
+      return outs[0]
+    return SampleOutput(*(np.concatenate([getattr(o, f.name) for o in outs])
+                          for f in dataclasses.fields(SampleOutput)))
+
+  def _wave(self, prompts: Sequence[Sequence[int]], key: jax.Array,
+            temperature: np.ndarray, top_p: np.ndarray, budgets: np.ndarray,
+            config: SamplingConfig, length: int, group: int) -> SampleOutput:
+    """One compiled generation over `prompts` (groups of `group` identical
+    prompts), left-padded to `length`."""
+    rows = len(prompts)
+    tokens, mask = left_pad(prompts[::group], length, config.pad_id)
+    shape = (len(tokens), length, rows, config.max_new_tokens)
+    # One preallocated pair of caches per shape, donated to the program and
+    # handed back, so decoding updates them in place and calls never
+    # reallocate them.
+    caches = self._caches.pop(shape, None) or tuple(
+        self._place(KVCache.zeros(self.model.config, *s))
+        for s in (shape[:2], shape[2:]))
     place = lambda x: self._place(jnp.asarray(x))  # noqa: E731
-    out_tokens, out_logprobs, lengths, cache = _generate(
-        self.model, place(tokens), place(mask), cache, self._place(key),
-        place(temperature), place(top_p), place(budgets), self.stop_table,
-        self._constraint_arrays, max_new_tokens=config.max_new_tokens,
-        eos_ids=tuple(config.eos_ids), pad_id=config.pad_id,
-        cache_length=cache_length)
-    self._caches[shape] = cache
+    with self._mesh_context():
+      out_tokens, out_logprobs, lengths, *caches = _generate(
+          self.model, place(tokens), place(mask), *caches, self._place(key),
+          place(temperature), place(top_p), place(budgets), self.stop_table,
+          self._constraint_arrays, max_new_tokens=config.max_new_tokens,
+          eos_ids=tuple(config.eos_ids), pad_id=config.pad_id)
+    self._caches[shape] = tuple(caches)
     while len(self._caches) > self.max_cached_shapes:
       self._caches.popitem(last=False)
     return SampleOutput(np.asarray(out_tokens), np.asarray(out_logprobs),
-                        np.asarray(lengths), tokens, mask)
+                        np.asarray(lengths), np.repeat(tokens, group, axis=0),
+                        np.repeat(mask, group, axis=0))

@@ -41,6 +41,7 @@ from cmimem_jax.evaluation.judges import LLMJudge
 from cmimem_jax.memory.builder import EDIT_COUNTERS
 from cmimem_jax.memory.compression import memory_editors
 from cmimem_jax.memory.dsl import response_regex
+from cmimem_jax.models.attention import ATTENTION_IMPLS
 from cmimem_jax.models.qwen3.params import save_hf
 from cmimem_jax.parallel import (initialize_distributed, make_mesh,
                                  parse_mesh_shape, resolve_mesh_shape)
@@ -74,6 +75,8 @@ def _check_training(c) -> None:
   c.check("rollout.num_rollouts", lambda v: isinstance(v, int) and v >= 2,
           "an int >= 2 (GRPO compares rollouts within a group)")
   c.check("rollout.temperature", lambda v: v >= 0, ">= 0")
+  c.check("rollout.max_rows_per_wave", lambda v: isinstance(v, int) and v >= 0,
+          "a non-negative integer")
   c.check("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]")
   for name in ("max_new_tokens", "max_prompt_tokens"):
     c.check(f"rollout.{name}", lambda v: isinstance(v, int) and v > 0,
@@ -86,6 +89,8 @@ def _check_training(c) -> None:
           "a positive integer")
   c.check("qa.judge", lambda v: v in ("context_recall", "llm"),
           "context_recall or llm")
+  c.check("policy.attention_impl", lambda v: v in ATTENTION_IMPLS,
+          f"one of {ATTENTION_IMPLS}")
   c.check("policy.source", lambda v: v in ("random", "gguf", "hf"),
           "random, gguf or hf")
   for key in ("memory.compressor", "memory.merge_summarizer"):
@@ -213,7 +218,9 @@ class Trainer:
     else:
       self.policy = ChatPolicy.jax(self.learner.model, tokenizer,
                                    config.rollout.max_prompt_tokens, buckets,
-                                   self.mesh, constraint=self.constraint)
+                                   self.mesh, constraint=self.constraint,
+                                   max_rows_per_wave=(
+                                       config.rollout.max_rows_per_wave))
     self.curriculum = Curriculum(
         _training_sessions(self.dialogues, tuple(rl.curriculum_weights)),
         rl.sessions_per_batch, rl.curriculum_tiers, max(1, rl.epochs))

@@ -96,7 +96,7 @@ def test_attention_implementations_agree_with_padding_and_cache():
     outs.append(logits)
   unrolled = np.concatenate([np.asarray(o) for o in outs], axis=1)
   np.testing.assert_allclose(unrolled, stepped["batched"], atol=1e-6)
-  assert len(cache.keys) == 2 and cache.stacked().keys.shape == (2, 3, 12, 2,
+  assert len(cache.keys) == 2 and cache.stacked().keys.shape == (2, 12, 2, 3,
                                                                  24)
   with pytest.raises(ValueError, match="per-layer cache"):
     m(tokens[:, 8:9], positions[:, 8:9], mask[:, 8:9], cache.stacked(), 8,
@@ -128,3 +128,8 @@ def test_compare_reference_tool(tmp_path, capsys):
   result = compare_reference.main(["--hf_checkpoint", directory])
   assert result["kind"] == "causal_lm" and result["max_abs_diff"] < 1e-4
   assert '"max_abs_diff"' in capsys.readouterr().out
+  # The splash kernel (interpret mode here) against transformers.
+  result = compare_reference.main(["--hf_checkpoint", directory,
+                                   "--attention_impl=splash"])
+  assert result["attention_impl"] == "splash"
+  assert result["max_abs_diff"] < 1e-4 and result["argmax_agreement"] == 1.0

@@ -6,6 +6,7 @@ from flax import nnx
 
 from cmimem_jax.models.qwen3 import Qwen3, positions_from_mask, preset
 from cmimem_jax.sampling import Sampler, SamplingConfig, left_pad
+from cmimem_jax.sampling.sampler import shared_prompt_group
 
 PROMPTS = [[5, 17, 33, 2, 9], [44, 8], [3, 3, 3, 3, 3, 3, 3]]
 
@@ -66,7 +67,8 @@ def test_scanned_and_unrolled_decode_loops_agree():
     sampler = Sampler(model, SamplingConfig(temperature=1.0, top_p=0.9,
                                             max_new_tokens=7), buckets=(8,))
     outputs[loop] = [sampler(PROMPTS, jax.random.key(k)) for k in (1, 1)]
-    assert sampler._caches[(3, 15)].keys.shape[0] == 2  # [L, ...] again.
+    prompt_cache, cache = sampler._caches[(3, 8, 3, 7)]
+    assert prompt_cache.keys.shape[0] == cache.keys.shape[0] == 2  # [L, ...]
   scan, unrolled = outputs["scan"][0], outputs["unrolled"][1]
   np.testing.assert_array_equal(scan.tokens, unrolled.tokens)
   np.testing.assert_array_equal(scan.lengths, unrolled.lengths)
@@ -144,7 +146,7 @@ def test_kv_buffers_are_bounded_least_recently_used_first(model):
                     buckets=(8,), max_cached_shapes=2)
   for rows in (1, 2, 3, 2):
     sampler(PROMPTS[:rows], jax.random.key(0))
-  assert list(sampler._caches) == [(3, 10), (2, 10)]
+  assert list(sampler._caches) == [(3, 8, 3, 2), (2, 8, 2, 2)]
 
 
 def test_row_budgets_stop_each_row_at_its_own_length(model, compiles):
@@ -162,3 +164,55 @@ def test_row_budgets_stop_each_row_at_its_own_length(model, compiles):
   with pytest.raises(ValueError, match=r"row budgets must be in \[1, 6\]"):
     sampler.generate(PROMPTS, jax.random.key(0), 0.0, 1.0, 6,
                      row_budgets=[7, 1, 1])
+
+
+@pytest.mark.parametrize("loop", ["scan", "unrolled"])
+def test_shared_prompt_rollouts_equal_per_row_rollouts(loop):
+  """A GRPO batch (N = 4 rollouts of each of 3 prompts): prefilled once per
+  prompt and decoded over the shared prompt cache, it samples exactly the
+  tokens of the per-row sampler (a prompt copy per row), log-probs within
+  1e-6, at every temperature and stopping row."""
+  model = Qwen3(preset("tiny", vocab_size=64, max_position_embeddings=256,
+                       decode_loop=loop), rngs=nnx.Rngs(0))
+  rows = [p for p in PROMPTS for _ in range(4)]
+  temperature = np.tile([0.0, 0.7, 1.0, 1.5], 3)
+  budgets = np.tile([7, 3, 7, 5], 3)
+  out = {}
+  for share in (True, False):
+    sampler = Sampler(model, SamplingConfig(max_new_tokens=7, eos_ids=(9,)),
+                      buckets=(8,), share_prompts=share)
+    out[share] = sampler.generate(rows, jax.random.key(5), temperature, 0.9,
+                                  7, budgets)
+    prompt_rows = next(iter(sampler._caches))[0]
+    assert prompt_rows == (3 if share else 12)
+  np.testing.assert_array_equal(out[True].tokens, out[False].tokens)
+  np.testing.assert_array_equal(out[True].lengths, out[False].lengths)
+  np.testing.assert_array_equal(out[True].prompt_tokens,
+                                out[False].prompt_tokens)
+  np.testing.assert_allclose(out[True].logprobs, out[False].logprobs,
+                             atol=1e-6)
+  # The rollouts of a prompt differ (the shared cache is only the prompt's).
+  assert len({tuple(t) for t in out[True].tokens[1:4]}) > 1
+
+
+def test_shared_prompt_group_needs_whole_groups():
+  assert shared_prompt_group([[1], [1], [2], [2]]) == 2
+  assert shared_prompt_group([[1], [1], [1], [2], [2], [2]]) == 3
+  assert shared_prompt_group([[1], [1], [2]]) == 1
+  assert shared_prompt_group([[1], [1], [2], [3]]) == 1
+  assert shared_prompt_group([[1], [2]]) == 1
+
+
+def test_waves_of_whole_groups_give_the_unwaved_greedy_rollouts(model):
+  rows = [p for p in PROMPTS for _ in range(4)]
+  config = SamplingConfig(temperature=0.0, max_new_tokens=5)
+  whole = Sampler(model, config, buckets=(8,))(rows, jax.random.key(0))
+  waved = Sampler(model, config, buckets=(8,), max_rows_per_wave=5)
+  out = waved(rows, jax.random.key(0))
+  # 5 rows round down to one group of 4: three waves of one prompt each.
+  assert sorted(waved._caches) == [(1, 8, 4, 5)]
+  np.testing.assert_array_equal(out.tokens, whole.tokens)
+  np.testing.assert_array_equal(out.prompt_tokens, whole.prompt_tokens)
+  np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-6)
+  with pytest.raises(ValueError, match="max_rows_per_wave"):
+    Sampler(model, config, max_rows_per_wave=-1)

@@ -23,6 +23,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from cmimem_jax.models.attention import (ATTENTION_IMPLS, cached_attention,
+                                        causal_self_attention,
+                                        shared_prefix_attention)
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
            "float16": jnp.float16}
 
@@ -49,10 +53,11 @@ class Qwen3Config:
   dtype: str = "float32"        # Compute dtype (bfloat16 on accelerators).
   param_dtype: str = "float32"  # Storage dtype of parameters.
   remat: str = "none"           # "none" | "full" | "dots" (save matmuls).
-  # "batched": one batched einsum over (batch, kv head) — best on GPU/TPU.
-  # "per_head": a loop of 2-D matmuls per (row, kv head) — 3.5x faster on
-  # XLA:CPU, whose batched dots are slow. "auto": per_head on CPU for 16+
-  # queries (prefill, training), batched otherwise (decoding, GPU/TPU).
+  # `models.attention.ATTENTION_IMPLS`. "auto": the Pallas splash kernel on
+  # TPU, cuDNN flash attention on GPU (bf16), and on CPU "per_head" (a loop
+  # of 2-D matmuls per (row, kv head), 3.5x faster on XLA:CPU, whose
+  # batched dots are slow) for 16+ queries, else "batched" (one einsum).
+  # Cached decoding always takes an XLA path.
   attention_impl: str = "auto"
   # How cached decoding runs the layers. "scan": `lax.scan` over the [L]
   # stack (one compiled layer). "unrolled": a Python loop over per-layer
@@ -69,9 +74,9 @@ class Qwen3Config:
                        "num_key_value_heads")
     if self.remat not in ("none", "full", "dots"):
       raise ValueError(f"remat must be none/full/dots, got {self.remat!r}")
-    if self.attention_impl not in ("auto", "batched", "per_head"):
-      raise ValueError("attention_impl must be auto/batched/per_head, got "
-                       f"{self.attention_impl!r}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, "
+                       f"got {self.attention_impl!r}")
     if self.decode_loop not in ("auto", "scan", "unrolled"):
       raise ValueError("decode_loop must be auto/scan/unrolled, got "
                        f"{self.decode_loop!r}")
@@ -221,8 +226,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  """Keys/values `[L, B, S, kv_heads, head_dim]`; `valid` `[B, S]` marks
+  """Keys/values `[L, S, kv_heads, B, head_dim]`; `valid` `[B, S]` marks
   written, non-padding slots.
+
+  Sequence-major with the rows next to head_dim: the physical layout the
+  TPU compiler picks for a decoding loop over the cache, so the donated
+  cache is updated in place instead of being relaid out (two extra copies)
+  around the loop.
 
   In per-layer form (`per_layer()`, used by the unrolled decode loop) keys
   and values are L-tuples of `[B, S, kv_heads, head_dim]` arrays, so each
@@ -240,76 +250,11 @@ class KVCache:
 
   @classmethod
   def zeros(cls, config: Qwen3Config, batch: int, length: int) -> KVCache:
-    shape = (config.num_hidden_layers, batch, length,
-             config.num_key_value_heads, config.head_dim)
+    shape = (config.num_hidden_layers, length, config.num_key_value_heads,
+             batch, config.head_dim)
     return cls(jnp.zeros(shape, config.compute_dtype),
                jnp.zeros(shape, config.compute_dtype),
                jnp.zeros((batch, length), bool))
-
-
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-              impl: str = "batched") -> jax.Array:
-  """Grouped-query attention.
-
-  Args:
-    q: `[B, T, H, D]`; k, v: `[B, S, KV, D]`; mask: `[B, T, S]` bool.
-    impl: "batched" (one einsum), "per_head" (`lax.map` of 2-D matmuls over
-      the B * KV (row, kv head) pairs) or "auto" ("per_head" on CPU for
-      T >= 16).
-
-  Returns:
-    `[B, T, H, D]` in q's dtype; softmax in float32.
-  """
-  if impl == "auto":
-    # Decoding (a few queries) is loop-overhead bound: batch it.
-    impl = ("per_head" if jax.default_backend() == "cpu"
-            and q.shape[1] >= 16 else "batched")
-  b, t, heads, dim = q.shape
-  kv = k.shape[2]
-  group = heads // kv
-  # [B, KV, G*T, D]: the G query heads sharing a kv head stack on the rows.
-  q = q.reshape(b, t, kv, group, dim).transpose(0, 2, 3, 1, 4).reshape(
-      b, kv, group * t, dim)
-  k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-  rows_mask = jnp.tile(mask, (1, group, 1))  # [B, G*T, S]
-
-  def attend(q, k, v, mask):
-    scores = jnp.einsum("...md,...sd->...ms", q, k,
-                        preferred_element_type=jnp.float32) * dim ** -0.5
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("...ms,...sd->...md", probs.astype(v.dtype), v,
-                      preferred_element_type=jnp.float32)
-
-  if impl == "per_head":
-    flat = lambda x: x.reshape(b * kv, *x.shape[2:])  # noqa: E731
-    out = jax.lax.map(lambda a: attend(*a), (
-        flat(q), flat(k), flat(v), jnp.repeat(rows_mask, kv, axis=0)))
-  else:
-    out = attend(q, k, v, rows_mask[:, None])
-  out = out.reshape(b, kv, group, t, dim).transpose(0, 3, 1, 2, 4)
-  return out.reshape(b, t, heads, dim).astype(q.dtype)
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                     mask: jax.Array, impl: str = "batched",
-                     block: int = 128) -> jax.Array:
-  """`attention` for a causal mask over the same T positions (no cache):
-  query block i attends to keys `[0, (i + 1)·block)` only, skipping the
-  all-masked upper triangle (~40 % of the work at T = 512). Exact: masked
-  keys get probability exactly 0 either way.
-
-  Args: as `attention`, with k, v `[B, T, KV, D]` and mask `[B, T, T]`.
-  """
-  t = q.shape[1]
-  if t <= block:
-    return attention(q, k, v, mask, impl)
-  outs = []
-  for start in range(0, t, block):
-    stop = min(start + block, t)
-    outs.append(attention(q[:, start:stop], k[:, :stop], v[:, :stop],
-                          mask[:, start:stop, :stop], impl))
-  return jnp.concatenate(outs, axis=1)
 
 
 # --- modules ----------------------------------------------------------------
@@ -350,11 +295,26 @@ class DecoderLayers(nnx.Module):
     self.down_proj = _param(rngs, (layers, c.intermediate_size, hid), dt)
 
 
+def head_major(buffer: jax.Array) -> jax.Array:
+  """A layer's cache `[S, KV, B, D]` as the attention reads it, `[B, KV, S,
+  D]` (XLA folds the transpose into the matmuls)."""
+  return buffer.transpose(2, 1, 0, 3)
+
+
 def _layer(config: Qwen3Config, p: dict[str, jax.Array], x: jax.Array,
-           cos: jax.Array, sin: jax.Array, mask: jax.Array,
-           cache_kv: tuple[jax.Array, jax.Array] | None,
-           write_index: jax.Array | None):
-  """One block. x `[B, T, H]`; returns (x, (k, v) written to the cache)."""
+           cos: jax.Array, sin: jax.Array, mask: jax.Array | None,
+           segments: jax.Array,
+           cache_kv: tuple[jax.Array, jax.Array, jax.Array | None] | None,
+           write_index: jax.Array | int | None,
+           prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None):
+  """One block. x `[B, T, H]`; `mask` the `[B, T, S]` cache mask of a
+  decoding step, None when the T tokens attend only to themselves (no
+  cache, or a prefill at index 0); `segments` `[B, T]` segment ids;
+  `prefix` this layer's shared-prefix (keys, values, valid), attended
+  before the cache. `cache_kv`: (keys, values, layer): this layer's
+  `[S, KV, B, D]` buffers (layer None), or the `[L, S, KV, B, D]` stacks
+  and this layer's index, written in place (one token per step, not a
+  copy of the layer's cache). Returns (x, (keys, values) written)."""
   c, dt = config, config.compute_dtype
   b, t, _ = x.shape
   w = lambda name: p[name].astype(dt)  # noqa: E731
@@ -369,16 +329,31 @@ def _layer(config: Qwen3Config, p: dict[str, jax.Array], x: jax.Array,
     q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
   q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  written, attended = None, None
   if cache_kv is not None:
-    cache_k = jax.lax.dynamic_update_slice_in_dim(cache_kv[0], k, write_index,
-                                                  axis=1)
-    cache_v = jax.lax.dynamic_update_slice_in_dim(cache_kv[1], v, write_index,
-                                                  axis=1)
-    attn = attention(q, cache_k, cache_v, mask, c.attention_impl)
-    written = (cache_k, cache_v)
+    *buffers, layer = cache_kv
+    new_kv = (k.transpose(1, 2, 0, 3), v.transpose(1, 2, 0, 3))
+    if layer is None:
+      written = tuple(jax.lax.dynamic_update_slice_in_dim(
+          buffer, new, write_index, axis=0)
+          for buffer, new in zip(buffers, new_kv))
+      attended = written
+    else:
+      zero = jnp.zeros((), jnp.int32)
+      written = tuple(jax.lax.dynamic_update_slice(
+          buffer, new[None], (layer, write_index, zero, zero, zero))
+          for buffer, new in zip(buffers, new_kv))
+      attended = tuple(jax.lax.dynamic_index_in_dim(buffer, layer, 0, False)
+                       for buffer in written)
+    attended = tuple(head_major(buffer) for buffer in attended)
+  if mask is None:
+    attn = causal_self_attention(q, k, v, segments, c.attention_impl)
+  elif prefix is not None:
+    attn = shared_prefix_attention(q, head_major(prefix[0]),
+                                   head_major(prefix[1]), prefix[2],
+                                   *attended, mask)
   else:
-    attn = causal_attention(q, k, v, mask, c.attention_impl)
-    written = None
+    attn = cached_attention(q, *attended, mask, c.attention_impl)
   x = x + attn.reshape(b, t, -1) @ w("o_proj")
   h = rms_norm(x, p["post_attention_norm"], c.rms_norm_eps)
   x = x + (jax.nn.silu(h @ w("gate_proj")) * (h @ w("up_proj"))) @ w(
@@ -415,18 +390,27 @@ class Qwen3(nnx.Module):
                     attention_mask: jax.Array, cache: KVCache | None = None,
                     cache_index: jax.Array | int = 0,
                     layers: tuple[dict[str, jax.Array], ...] | None = None,
+                    prefix: KVCache | None = None,
                     ) -> tuple[jax.Array, KVCache | None]:
     """Final-norm hidden states `[B, T, H]`.
 
     Args:
       tokens: `[B, T]` int ids.
       positions: `[B, T]` RoPE positions (from the mask under left padding).
-      attention_mask: `[B, T]` 1 for real tokens.
+      attention_mask: `[B, T]` 1 for real tokens, 0 for padding. Without a
+        cache it may also number packed segments (1, 2, ...; a token attends
+        only within its segment; pass each segment's `positions`).
       cache: Optional KV cache; the T new keys/values are written at
         `cache_index` and attention covers every valid cache slot.
-      cache_index: Where the new tokens go in the cache.
+      cache_index: Where the new tokens go in the cache. A Python int 0 is a
+        prefill: the tokens attend to themselves only (what the cache held
+        is causally invisible to them), through `causal_self_attention`.
       layers: `layer_params()` to run the layers as an unrolled loop over
         these (with `cache` in per-layer form) instead of scanning the stack.
+      prefix: A read-only cache of P shared prompts (`[L, P, Tp, ...]`, in
+        the same form as `cache`), attended by every decoding step before
+        `cache`: row b continues prompt `b // (B / P)` (`cache` then holds
+        only the rows' own tokens, and `positions` continue the prompts').
 
     Returns:
       `(hidden [B, T, H], updated cache or None)`.
@@ -434,24 +418,31 @@ class Qwen3(nnx.Module):
     c = self.config
     x = jnp.take(self.embed[...], tokens, axis=0).astype(c.compute_dtype)
     cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
-    real = attention_mask.astype(bool)
     t = tokens.shape[1]
-    if cache is None:
-      causal = jnp.tril(jnp.ones((t, t), bool))
-      mask = causal[None] & real[:, None, :]
-      valid = None
-    else:
+    # Segment ids, not a [B, T, T] mask: each backend builds what it needs.
+    segments = attention_mask.astype(jnp.int32)
+    mask, valid = None, None
+    if cache is not None:
+      real = attention_mask.astype(bool)
       valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, real,
                                                   cache_index, axis=1)
-      s = valid.shape[1]
-      key_pos = jnp.arange(s)[None, :]
-      query_pos = cache_index + jnp.arange(t)[:, None]
-      mask = (key_pos <= query_pos)[None] & valid[:, None, :]
-    # Padding queries may see no key at all: `attention` masks with the most
-    # negative float (not -inf), so their (unused) outputs stay finite.
+      # A prefill at a static index 0 sees only its own T keys (causality
+      # hides every later slot): self-attention, no [B, T, S] mask.
+      if not (isinstance(cache_index, int) and cache_index == 0):
+        s = valid.shape[1]
+        key_pos = jnp.arange(s)[None, :]
+        query_pos = cache_index + jnp.arange(t)[:, None]
+        mask = (key_pos <= query_pos)[None] & valid[:, None, :]
 
-    layer = lambda x, p, kv: _layer(c, p, x, cos, sin, mask, kv,  # noqa
-                                    None if cache is None else cache_index)
+    if prefix is not None and mask is None:
+      raise ValueError("a shared prefix is attended by decoding steps only "
+                       "(a traced cache_index)")
+
+    def layer(x, p, kv, prefix_kv=None):
+      shared = None if prefix_kv is None else (*prefix_kv, prefix.valid)
+      return _layer(c, p, x, cos, sin, mask, segments, kv,
+                    None if cache is None else cache_index, shared)
+
     if c.remat != "none":
       policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
                 if c.remat == "dots" else None)
@@ -463,7 +454,9 @@ class Qwen3(nnx.Module):
                          "(KVCache.per_layer())")
       keys, values = list(cache.keys), list(cache.values)
       for i, p in enumerate(layers):
-        x, (keys[i], values[i]) = layer(x, p, (keys[i], values[i]))
+        shared = None if prefix is None else (prefix.keys[i], prefix.values[i])
+        x, (keys[i], values[i]) = layer(x, p, (keys[i], values[i], None),
+                                        shared)
       new_cache = KVCache(tuple(keys), tuple(values), valid)
     elif cache is None:
       def body(x, p):
@@ -472,12 +465,18 @@ class Qwen3(nnx.Module):
       x, _ = jax.lax.scan(body, x, self._stacked())
       new_cache = None
     else:
-      def body(x, inputs):
-        p, k, v = inputs
-        x, (k, v) = layer(x, p, (k, v))
-        return x, (k, v)
-      x, (keys, values) = jax.lax.scan(
-          body, x, (self._stacked(), cache.keys, cache.values))
+      # The stacked cache is carried and each layer writes its new tokens
+      # into it in place (scanning it as xs -> ys would build a second
+      # whole cache).
+      def body(carry, inputs):
+        x, keys, values = carry
+        p, index, shared = inputs
+        x, (keys, values) = layer(x, p, (keys, values, index), shared)
+        return (x, keys, values), None
+      shared = None if prefix is None else (prefix.keys, prefix.values)
+      (x, keys, values), _ = jax.lax.scan(
+          body, (x, cache.keys, cache.values),
+          (self._stacked(), jnp.arange(c.num_hidden_layers), shared))
       new_cache = KVCache(keys, values, valid)
     return rms_norm(x, self.final_norm[...], c.rms_norm_eps), new_cache
 
@@ -494,6 +493,7 @@ class Qwen3(nnx.Module):
                attention_mask: jax.Array | None = None,
                cache: KVCache | None = None, cache_index: jax.Array | int = 0,
                layers: tuple[dict[str, jax.Array], ...] | None = None,
+               prefix: KVCache | None = None,
                ) -> tuple[jax.Array, KVCache | None]:
     """Logits `[B, T, V]` (float32) and the updated cache (arguments as
     `hidden_states`)."""
@@ -502,7 +502,7 @@ class Qwen3(nnx.Module):
     if positions is None:
       positions = positions_from_mask(attention_mask)
     hidden, cache = self.hidden_states(tokens, positions, attention_mask,
-                                       cache, cache_index, layers)
+                                       cache, cache_index, layers, prefix)
     return self.logits(hidden), cache
 
 
