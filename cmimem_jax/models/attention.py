@@ -230,8 +230,11 @@ def _splash_kernel(heads: int, length: int, block: int, interpret: bool):
       block_q=block, block_kv=block, block_kv_compute=block,
       block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
       block_q_dq=block, block_kv_dq=block)
-  return kernel.make_splash_mha(mask, block_sizes=sizes, head_shards=1,
-                                q_seq_shards=1, interpret=interpret)
+  # Concrete mask tables even when first built inside a trace: the cached
+  # kernel is reused by later traces (remat, gradients, other programs).
+  with jax.ensure_compile_time_eval():
+    return kernel.make_splash_mha(mask, block_sizes=sizes, head_shards=1,
+                                  q_seq_shards=1, interpret=interpret)
 
 
 def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array,
