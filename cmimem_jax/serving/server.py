@@ -86,9 +86,11 @@ class Server:
     self.batcher = None
     if serve.chat:
       tokenizer = load_tokenizer(config.policy.tokenizer)
+      # Requests are unrelated rows: no prompt sharing, so the compiled
+      # programs depend on the batch size alone (warm-up included).
       policy = ChatPolicy.jax(load_policy(config.policy, len(tokenizer)),
                               tokenizer, serve.max_prompt_tokens,
-                              tuple(serve.buckets))
+                              tuple(serve.buckets), share_prompts=False)
       self.batcher = ChatBatcher(policy, serve.max_new_tokens,
                                  serve.max_batch,
                                  serve.batch_wait_ms / 1000.0, config.seed)
