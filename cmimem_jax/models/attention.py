@@ -220,8 +220,11 @@ def splash_block(length: int) -> int:
   return min(SPLASH_BLOCK, _round_up(length, 128))
 
 
-@functools.lru_cache(maxsize=32)
 def _splash_kernel(heads: int, length: int, block: int, interpret: bool):
+  """Built per trace, not cached: the kernel holds its mask tables as
+  arrays, constants of the trace that builds it (a kernel reused by a
+  later trace, e.g. remat's or the gradient's, leaks them), and eager
+  arrays cannot be made while compiling for a TPU topology on a CPU."""
   # Imported here: the Pallas TPU package is only needed on this path.
   from jax.experimental.pallas.ops.tpu.splash_attention import (
       splash_attention_kernel as kernel, splash_attention_mask as masks)
@@ -230,11 +233,8 @@ def _splash_kernel(heads: int, length: int, block: int, interpret: bool):
       block_q=block, block_kv=block, block_kv_compute=block,
       block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
       block_q_dq=block, block_kv_dq=block)
-  # Concrete mask tables even when first built inside a trace: the cached
-  # kernel is reused by later traces (remat, gradients, other programs).
-  with jax.ensure_compile_time_eval():
-    return kernel.make_splash_mha(mask, block_sizes=sizes, head_shards=1,
-                                  q_seq_shards=1, interpret=interpret)
+  return kernel.make_splash_mha(mask, block_sizes=sizes, head_shards=1,
+                                q_seq_shards=1, interpret=interpret)
 
 
 def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array,
