@@ -195,30 +195,22 @@ def apply_operations(bank: MemoryBank, operations: Sequence[Operation],
     elif op.writes:
       old_vectors = [next(vectors) for _ in op.old_texts]
       new_vector = next(vectors)
-      if op.action is Action.MERGE and editors.summarize_merge is not None:
-        op, new_vector = _summarize_merge(new_bank, op, new_vector, encoder,
-                                          editors.summarize_merge, report)
       entry_id = _apply_entry_op(new_bank, op, old_vectors, new_vector,
                                  step=step, session_index=session_index,
                                  turn_ids=tuple(op.turn_ids or turn_ids),
                                  threshold=update_match_threshold,
-                                 report=report)
+                                 report=report, encoder=encoder,
+                                 summarize_merge=editors.summarize_merge)
     report.entry_ids.append(entry_id)
   return new_bank, report
 
 
-def _summarize_merge(bank: MemoryBank, op: Operation, draft_vector: np.ndarray,
+def _summarize_merge(op: Operation, olds: list[str], draft_vector: np.ndarray,
                      encoder: Encoder,
                      summarize: Callable[[str, Sequence[str]], str],
-                     report: ApplyReport) -> tuple[Operation, np.ndarray]:
-  """Listing 9 over the merged memories (their stored texts where the
-  policy quoted them verbatim) and the policy's draft; a failure keeps the
-  draft and is counted."""
-  store = bank.stores[op.memory_type]
-  olds = []
-  for old in op.old_texts:
-    position = store.find_exact(old)
-    olds.append(old if position is None else store.entries[position].text)
+                     report: ApplyReport) -> tuple[str, np.ndarray]:
+  """Listing 9 over the merged memories and the policy's draft: the text
+  and vector to store; a failure keeps the draft and is counted."""
   try:
     merged = summarize(op.memory_type.value, [*olds, op.new_text]).strip()
     if not merged:
@@ -227,16 +219,17 @@ def _summarize_merge(bank: MemoryBank, op: Operation, draft_vector: np.ndarray,
     report.merge_summary_failures += 1
     logging.warning("MERGE summary failed (%s); keeping the policy's text", e)
     report.flags.append(f"MERGE summary failed: {e}")
-    return op, draft_vector
+    return op.new_text, draft_vector
   report.merges_summarized += 1
-  merged_op = dataclasses.replace(op, fields=(*op.old_texts, merged))
-  return merged_op, embed_texts(encoder, [merged])[0]
+  return merged, embed_texts(encoder, [merged])[0]
 
 
 def _apply_entry_op(bank: MemoryBank, op: Operation,
                     old_vectors: list[np.ndarray], new_vector: np.ndarray, *,
                     step: int, session_index: int, turn_ids: tuple[str, ...],
-                    threshold: float, report: ApplyReport) -> str:
+                    threshold: float, report: ApplyReport, encoder: Encoder,
+                    summarize_merge: Callable[[str, Sequence[str]], str] | None
+                    ) -> str:
   store = bank.stores[op.memory_type]
   name = f"{op.memory_type.dsl_name}:{op.action.value}"
   matches = [_match(bank, op.memory_type, old, vec, threshold)
@@ -245,6 +238,13 @@ def _apply_entry_op(bank: MemoryBank, op: Operation,
     if position is None:
       report.flags.append(f"{name}: no memory matches {old[:60]!r}")
   linked = tuple(store.entries[p].entry_id for p in matches if p is not None)
+  text = op.new_text
+  if op.action is Action.MERGE and summarize_merge is not None:
+    # The merged memories as stored (the policy may quote them loosely).
+    olds = [old if p is None else store.entries[p].text
+            for old, p in zip(op.old_texts, matches)]
+    text, new_vector = _summarize_merge(op, olds, new_vector, encoder,
+                                        summarize_merge, report)
 
   in_place = (op.action is Action.UPDATE
               and op.memory_type is not MemoryType.EPISODIC
@@ -252,13 +252,13 @@ def _apply_entry_op(bank: MemoryBank, op: Operation,
   if in_place:
     previous = store.entries[matches[0]]
     store.replace(matches[0], dataclasses.replace(
-        previous, text=op.new_text, updated_step=step,
+        previous, text=text, updated_step=step,
         turn_ids=tuple(dict.fromkeys(previous.turn_ids + turn_ids))),
         new_vector)
     return previous.entry_id
   entry = MemoryEntry(
       entry_id=bank.new_entry_id(), memory_type=op.memory_type,
-      text=op.new_text, created_step=step, updated_step=step,
+      text=text, created_step=step, updated_step=step,
       session_index=session_index, turn_ids=turn_ids,
       # Semantic/procedural UPDATE without a match degrades to ADD.
       links=linked if op.memory_type is MemoryType.EPISODIC else ())

@@ -66,7 +66,14 @@ def resolve_impl(impl: str, queries: int, dtype: jnp.dtype) -> str:
     # cuDNN's flash kernels take half precision only.
     half = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
     return "cudnn" if half else "batched"
-  return "per_head" if queries >= 16 else "batched"
+  return _xla_impl(queries)
+
+
+def _xla_impl(queries: int) -> str:
+  """XLA:CPU's batched dots are slow: a loop of 2-D matmuls for 16+
+  queries (prefill, training); decoding is loop-overhead bound: batched."""
+  return ("per_head" if jax.default_backend() == "cpu" and queries >= 16
+          else "batched")
 
 
 # --- the XLA paths ------------------------------------------------------------
@@ -117,8 +124,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     `[B, T, H, D]` in q's dtype.
   """
   if impl not in ("per_head", "batched"):
-    impl = ("per_head" if jax.default_backend() == "cpu"
-            and q.shape[1] >= 16 else "batched")
+    impl = _xla_impl(q.shape[1])
   return _grouped_attention(q, k, v, mask, impl)
 
 
