@@ -4,9 +4,9 @@ recovers: the work is `task.build_memory.run`.
   python -m cmimem_jax.build_memory --config=configs/build_memory.py --workdir=DIR
 """
 
-from absl import app, flags
+from absl import flags
 
-from cmimem_jax.config import define_command_line_flags
+from cmimem_jax.config import run_command
 from cmimem_jax.task.build_memory import run
 
 
@@ -16,5 +16,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  define_command_line_flags()
-  app.run(main)
+  run_command(main)

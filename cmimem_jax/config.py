@@ -10,6 +10,7 @@ shared sections here, the others by the package that owns them through
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
@@ -20,6 +21,9 @@ DATASETS = ("longmemeval", "locomo", "memoryagentbench")
 # LongMemEval's official partitions.
 DATASET_SPLITS = ("", "all", "sft", "rl", "test")
 ENCODERS = ("hashing", "minilm", "qwen3_embedding", "openai")
+# The kinds that embed queries with `encoder.query_instruction`; the
+# others are symmetric and take none.
+INSTRUCTED_ENCODERS = ("qwen3_embedding", "openai")
 
 
 class ConfigError(ValueError):
@@ -62,6 +66,13 @@ def _positive_int(value: object) -> bool:
   return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def finite_number(value: object, low: float = -math.inf,
+                  high: float = math.inf) -> bool:
+  """A finite int or float (not a bool) in [low, high]."""
+  return (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and low <= value <= high)
+
+
 def _fraction(value: object) -> bool:
   return isinstance(value, (int, float)) and 0.0 < value <= 1.0
 
@@ -80,6 +91,15 @@ def _check_dataset(c: _Checker) -> None:
 
 def _check_encoder(c: _Checker) -> None:
   c.check("encoder.kind", lambda v: v in ENCODERS, f"one of {ENCODERS}")
+  instruction = c.get("encoder.query_instruction")
+  if instruction is not _MISSING and not isinstance(instruction, str):
+    c.problems.append("encoder.query_instruction must be a string")
+  elif instruction not in (_MISSING, "") and (
+      c.get("encoder.kind") not in INSTRUCTED_ENCODERS):
+    c.problems.append(
+        f"encoder.query_instruction is set, but encoder.kind="
+        f"{c.get('encoder.kind')!r} takes no instruction (only "
+        f"{INSTRUCTED_ENCODERS} do)")
   if c.get("encoder.kind") in ("hashing", "openai"):
     c.check("encoder.dim", _positive_int, "a positive integer")
   if c.get("encoder.kind") == "openai":
@@ -103,6 +123,8 @@ def _check_memory(c: _Checker) -> None:
           "True or False")
   for key in ("memory.compressor", "memory.merge_summarizer"):
     c.check(key, lambda v: v in MEMORY_EDITORS, f"one of {MEMORY_EDITORS}")
+  for key in ("memory.compress_max_tokens", "memory.merge_max_tokens"):
+    c.check(key, _positive_int, "a positive integer (tokens)")
   c.check("memory.update_match_threshold",
           lambda v: isinstance(v, float) and -1.0 <= v <= 1.0, "in [-1, 1]")
   memory = c.config.get("memory")
@@ -175,6 +197,10 @@ def memory_defaults() -> ml_collections.ConfigDict:
       # Listing 9 for episodic MERGE: the same choices ("none" keeps the
       # policy's own merged text).
       "merge_summarizer": "none",
+      # Answer budgets (tokens) of those calls: Listing 5 returns up to
+      # compress_target_chars (3,000) characters of JSON.
+      "compress_max_tokens": 1536,
+      "merge_max_tokens": 1024,
   })
 
 
@@ -197,6 +223,78 @@ def define_command_line_flags(workdir: bool = True) -> None:
   if workdir and "workdir" not in flags.FLAGS:
     flags.DEFINE_string("workdir", None, "Output directory (checkpoints, "
                         "metrics, banks, results).")
+
+
+# Set to show the traceback of a user error (or pass --verbosity=1).
+TRACEBACK_ENV = "CMIMEM_TRACEBACK"
+
+
+class Interrupted(Exception):
+  """A job stopped by a signal after saving what it had (exit code
+  128 + the signal's number)."""
+
+  def __init__(self, message: str, signum: int):
+    super().__init__(message)
+    self.signum = signum
+
+
+def _fail(message: str, code: int) -> None:
+  import sys
+  print(f"error: {message}", file=sys.stderr)
+  raise SystemExit(code)
+
+
+def _show_tracebacks() -> bool:
+  from absl import flags
+  verbose = flags.FLAGS.is_parsed() and flags.FLAGS.verbosity >= 1
+  return verbose or bool(os.environ.get(TRACEBACK_ENV))
+
+
+def run_command(main: Callable[[list[str]], None], workdir: bool = True
+                ) -> None:
+  """Runs an entry point's `main` under absl with `--config` (and
+  `--workdir`). A mistake a user can make prints one line on stderr and
+  exits: 2 for usage (a flag, an override, the config: `ConfigError`),
+  1 for data, workdir and runtime errors (`ValueError`, `OSError`,
+  `RuntimeError`); a job stopped by SIGTERM / SIGINT exits 128 + signal.
+  `--verbosity=1` or `CMIMEM_TRACEBACK=1` shows the traceback instead."""
+  import sys
+  from absl import app, flags
+  define_command_line_flags(workdir)
+
+  def parse(argv: list[str]) -> list[str]:
+    try:
+      rest = flags.FLAGS(argv)
+      config = flags.FLAGS.config  # Loads the file: a bad one fails here.
+      if config is None:
+        raise app.UsageError("--config=FILE is required")
+      config.keys()
+      return rest
+    except Exception as e:  # noqa: BLE001 - any bad flag, file, override.
+      if os.environ.get(TRACEBACK_ENV):
+        raise
+      text = " ".join(str(e).split()).strip('"').strip("'")
+      _fail(f"{text} (--config FILE or a --config.KEY=VALUE override; "
+            f"{TRACEBACK_ENV}=1 shows the traceback)", 2)
+      raise  # Unreachable: _fail exits.
+
+  def guarded(argv: list[str]) -> None:
+    try:
+      main(argv)
+    except Interrupted as e:
+      print(str(e), file=sys.stderr)
+      raise SystemExit(128 + e.signum) from None
+    except (ConfigError, app.UsageError) as e:
+      if _show_tracebacks():
+        raise
+      _fail(str(e), 2)
+    except (ValueError, OSError, RuntimeError) as e:
+      if _show_tracebacks():
+        raise
+      _fail(f"{type(e).__name__}: {e} (--verbosity=1 shows the traceback)",
+            1)
+
+  app.run(guarded, flags_parser=parse)
 
 
 def apply_overrides(config: ml_collections.ConfigDict,

@@ -11,7 +11,7 @@ import json
 
 from absl import app, flags
 
-from cmimem_jax.config import define_command_line_flags
+from cmimem_jax.config import run_command
 from cmimem_jax.evaluation.run import evaluate
 
 
@@ -26,5 +26,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  define_command_line_flags()
-  app.run(main)
+  run_command(main)

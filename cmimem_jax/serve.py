@@ -4,9 +4,12 @@ is `serving.Server`.
   python -m cmimem_jax.serve --config=configs/serve_cpu.py --port=8000
 """
 
-from absl import app, flags, logging
+import os
+import sys
 
-from cmimem_jax.config import define_command_line_flags
+from absl import flags, logging
+
+from cmimem_jax.config import run_command
 from cmimem_jax.serving import Server
 
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind.")
@@ -19,9 +22,17 @@ def main(argv: list[str]) -> None:
   logging.info("serving %s at %s", flags.FLAGS.config.serve.model_name,
                server.base_url)
   print(f"serving at {server.base_url}", flush=True)
-  server.serve_forever()
+  try:
+    server.serve_forever()
+  except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has stopped.
+    pass
+  # A generate or encode call still running in a worker thread cannot be
+  # interrupted: leave without waiting for it. (SIGTERM never gets here:
+  # uvicorn re-raises it after the graceful shutdown, ending the process.)
+  print("server stopped", flush=True)
+  sys.stderr.flush()
+  os._exit(0)
 
 
 if __name__ == "__main__":
-  define_command_line_flags(workdir=False)
-  app.run(main)
+  run_command(main, workdir=False)

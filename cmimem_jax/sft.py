@@ -8,7 +8,7 @@ Then `python -m cmimem_jax.train ... --config.policy.init_checkpoint=DIR`.
 
 from absl import app, flags
 
-from cmimem_jax.config import define_command_line_flags
+from cmimem_jax.config import run_command
 from cmimem_jax.rl import read_metrics
 from cmimem_jax.task.warm_start import run_sft, summary_text
 
@@ -22,5 +22,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  define_command_line_flags()
-  app.run(main)
+  run_command(main)

@@ -5,7 +5,7 @@
 
 from absl import app, flags
 
-from cmimem_jax.config import define_command_line_flags
+from cmimem_jax.config import run_command
 from cmimem_jax.task.loop import train
 
 
@@ -17,5 +17,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  define_command_line_flags()
-  app.run(main)
+  run_command(main)

@@ -16,23 +16,27 @@ from cmimem_jax.config import memory_defaults
 
 
 def endpoint_defaults() -> ml_collections.ConfigDict:
-  """An OpenAI-compatible endpoint (`client.EndpointConfig`)."""
+  """An OpenAI-compatible endpoint (`client.EndpointConfig`), with limits
+  that fit our own server on 2 CPU cores (`configs/serve_cpu.py`): as many
+  calls in flight as it batches (8), answers of up to 128 tokens (a
+  Listing 10 answer or Listing 11 verdict is far shorter), 300 s for a
+  batch of long prompts. Raise them for a hosted model."""
   return ml_collections.ConfigDict({
       "base_url": "http://127.0.0.1:8000/v1", "model": "",
-      "api_key_env": "OPENAI_API_KEY", "timeout_s": 60.0, "max_retries": 3,
+      "api_key_env": "OPENAI_API_KEY", "timeout_s": 300.0, "max_retries": 3,
       "backoff_s": 1.0, "max_backoff_s": 30.0, "concurrency": 8,
-      "temperature": 0.0, "max_tokens": 512})
+      "temperature": 0.0, "max_tokens": 128})
 
 
 def model_section(kind: str) -> ml_collections.ConfigDict:
   """A chat model: "endpoint", our Flax policy ("local": `path` a GGUF file
   or an HF checkpoint folder, empty = the embedded SmolLM2-135M-Instruct;
-  `init_checkpoint` a `train` / `sft` workdir whose newest weights replace
-  the loaded ones), or "none". `constrained_dsl`: a local builder of the
+  `init_checkpoint` a `train` / `sft` workdir whose weights of step
+  `checkpoint_step` (0: the newest) replace the loaded ones), or "none". `constrained_dsl`: a local builder of the
   `policy` method decodes valid DSL only."""
   return ml_collections.ConfigDict({
       "kind": kind, "endpoint": endpoint_defaults(), "path": "",
-      "init_checkpoint": "", "max_new_tokens": 256,
+      "init_checkpoint": "", "checkpoint_step": 0, "max_new_tokens": 256,
       "constrained_dsl": False})
 
 

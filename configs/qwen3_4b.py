@@ -17,11 +17,12 @@ Table 7 contradicts itself (a second row says "most recent 3, top-similar
 
 import ml_collections
 
+from cmimem_jax.encoders import DEFAULT_QUERY_INSTRUCTION
 from configs import tiny
 
 # Fields a hardware config may set; everything else comes from here.
 HARDWARE_FIELDS = (
-    "mesh", "encoder.kind", "encoder.endpoint", "encoder.query_prefix",
+    "mesh", "encoder.kind", "encoder.endpoint",
     "policy.dtype", "policy.param_dtype", "policy.remat",
     "policy.attention_impl", "rollout.engine", "rollout.max_rows_per_wave",
     "rollout.vllm", "rollout.buckets")
@@ -31,7 +32,10 @@ def get_config() -> ml_collections.ConfigDict:
   config = tiny.get_config()
   # The RL split (Table 5: 50 dialogues) with synthesized per-session QA.
   config.dataset.update({"name": "longmemeval", "path": "", "split": "rl"})
-  config.encoder.update({"kind": "qwen3_embedding", "dim": 1024, "path": ""})
+  # One query instruction for every hardware config (in-process encoder or
+  # vLLM endpoint): retrieval and CMI rewards must not depend on hardware.
+  config.encoder.update({"kind": "qwen3_embedding", "dim": 1024, "path": "",
+                         "query_instruction": DEFAULT_QUERY_INSTRUCTION})
   config.policy.update({
       "source": "hf", "path": "", "tokenizer": "",
       "preset": "qwen3_4b",  # Architecture used by tools/plan.py.
@@ -49,12 +53,20 @@ def get_config() -> ml_collections.ConfigDict:
       "micro_batches": 32, "learning_rate": 1e-6, "warmup_steps": 0,
       "weight_decay": 0.0, "grad_clip_norm": 1.0, "kl_beta": 0.02,
       "epsilon_low": 0.2, "epsilon_high": 0.2, "logprob_chunk": 1024,
-      "snapshot_refresh_epochs": 1})
+      # verl's default (MemBuilder's run): every completion token of the
+      # step weighs the same.
+      "loss_aggregation": "token_mean",
+      # Fixed expert states M_{t-1} (the paper's data "synthesized by
+      # deepseek-v4-pro following Shen et al. (2026)"):
+      # tools/build_expert_states.py --config=configs/qwen3_4b.py ...
+      "snapshots": "", "snapshot_refresh_epochs": 0})
   config.reward.update({
       "alpha": 0.3, "shaping": "gaussian", "mu": 0.35, "sigma": 0.15,
       "lam": 1e-4, "empty_action_value": -0.5,
       "intra_duplicate_weight": 0.3, "cross_duplicate_weight": 0.5,
       "core_specificity_weight": 0.3, "semantic_skip_bonus": 0.1})
   config.reward.conditioning.update({"top_k": 8, "n_recent": 2})  # App. F.
-  config.checkpoint.update({"every_steps": 10, "keep": 3})
+  # Every 10th step is kept for checkpoint selection (App. I evaluates
+  # steps 20 and 50), beside the newest 3.
+  config.checkpoint.update({"every_steps": 10, "keep": 3, "keep_period": 10})
   return config

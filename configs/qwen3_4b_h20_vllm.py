@@ -18,10 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
   config = qwen3_4b.get_config()
   config.mesh = "fsdp:8"  # 8 x H20-96GB.
   config.encoder.update({
-      "kind": "openai",
-      "query_prefix": ("Instruct: Given a web search query, retrieve "
-                       "relevant passages that answer the query\nQuery:"),
-      "endpoint": tiny.endpoint("Qwen/Qwen3-Embedding-0.6B")})
+      "kind": "openai", "endpoint": tiny.endpoint("Qwen/Qwen3-Embedding-0.6B")})
   config.policy.update({"dtype": "bfloat16", "param_dtype": "float32",
                         "remat": "full"})
   config.rollout.engine = "vllm"

@@ -23,6 +23,13 @@ def get_config() -> ml_collections.ConfigDict:
       # request in progress are closed after idle_timeout_s.
       "max_request_bytes": 1 << 20, "body_timeout_s": 10.0,
       "max_pending": 256, "max_connections": 1024, "idle_timeout_s": 5,
-      # Compile every batch size for these prompt lengths before serving.
-      "warm_up_prompt_tokens": ()})
+      # /v1/embeddings: more inputs get 413, longer inputs 400.
+      "max_embedding_inputs": 256, "max_embedding_chars": 32_768,
+      # After SIGTERM / Ctrl-C, requests in flight get this long.
+      "shutdown_timeout_s": 3.0,
+      # Compile every batch size for these prompt lengths before serving
+      # (/health answers 503 until then): a client never waits on a
+      # compile. Prompt buckets of evaluation's Listing 10 answers and
+      # Listing 11 judgements on LoCoMo.
+      "warm_up_prompt_tokens": (512, 1024, 2048)})
   return config

@@ -70,8 +70,19 @@ def get_config() -> ml_collections.ConfigDict:
       "micro_batches": 1, "learning_rate": 1e-3, "warmup_steps": 0,
       "weight_decay": 0.0, "grad_clip_norm": 1.0, "kl_beta": 0.02,
       "epsilon_low": 0.2, "epsilon_high": 0.2, "logprob_chunk": 256,
+      # token_mean: every completion token of the step weighs the same
+      # (verl's default, MemBuilder's run); sequence_mean: per-sequence
+      # means averaged (the GRPO paper).
+      "loss_aggregation": "token_mean",
+      # M_{t-1} of each session: "policy" (built by the initial policy,
+      # rebuilt by the current one every snapshot_refresh_epochs epochs)
+      # or a directory of fixed expert states (the paper's protocol;
+      # tools/build_expert_states.py).
+      "snapshots": "policy",
       "snapshot_refresh_epochs": 1,
       "curriculum_weights": (1.0, 1.0, 1.0), "curriculum_tiers": 3})
+  # keep: the newest checkpoints; keep_period > 0 also keeps every step
+  # divisible by it (checkpoint selection by step, App. I).
   config.checkpoint = ml_collections.ConfigDict(
-      {"every_steps": 1, "keep": 2, "async_save": True})
+      {"every_steps": 1, "keep": 2, "keep_period": 0, "async_save": True})
   return config

@@ -2,13 +2,17 @@ import importlib
 import pathlib
 
 import ml_collections
+import numpy as np
 import pytest
 
 import cmimem_jax.task.loop  # noqa: F401 - registers every training section.
 from cmimem_jax.config import ConfigError, validate_config
 from cmimem_jax.data import bundled_path
+from cmimem_jax.encoders import instructed_query, make_encoder
 from cmimem_jax.evaluation.paper import paper_rows
-from configs import build_memory, qwen3_4b, qwen3_4b_h20_vllm, qwen3_4b_tpu
+import cmimem_jax.evaluation.run  # noqa: F401 - registers the judge section.
+from configs import (build_memory, eval_qwen3_4b, qwen3_4b, qwen3_4b_h20_vllm,
+                     qwen3_4b_tpu)
 
 
 def test_shipped_config_is_valid(locomo_path):
@@ -59,6 +63,7 @@ def _filled(config, tmp_path):
   """Paths a real run passes on the command line."""
   config.dataset.path = bundled_path()
   config.encoder.path = config.policy.path = str(tmp_path)
+  config.rl.snapshots = str(tmp_path)  # The expert states' directory.
   return config
 
 
@@ -70,13 +75,66 @@ def test_the_4b_hardware_configs_differ_only_in_hardware(tmp_path):
     assert changed and all(
         any(key == field or key.startswith(field + ".")
             for field in qwen3_4b.HARDWARE_FIELDS) for key in changed), changed
-    # One CMI reward: App. F's conditioning set on both.
+    # One CMI reward: App. F's conditioning set on both; fixed expert
+    # states M_{t-1}, never refreshed.
     assert config.reward == base.reward
+    assert config.rl.snapshots != "policy"
     assert (config.reward.conditioning.top_k,
             config.reward.conditioning.n_recent) == (8, 2)
-    validate_config(_filled(config, tmp_path),
-                    required=("dataset", "memory", "reward", "policy",
-                              "rollout", "rl", "qa"))
+    validate_config(_filled(config, tmp_path), required=TRAINING_SECTIONS)
+
+
+def _tiny_qwen3_embedding(directory):
+  """A random Qwen3-Embedding checkpoint (any tokenizer will do)."""
+  import torch
+  import transformers
+  from cmimem_jax.encoders.neural import minilm_directory
+  try:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_directory())
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  torch.manual_seed(0)
+  transformers.Qwen3Model(transformers.Qwen3Config(
+      vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
+      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+      head_dim=16, max_position_embeddings=128)).save_pretrained(directory)
+  tokenizer.save_pretrained(directory)
+  return str(directory)
+
+
+def test_the_4b_hardware_configs_embed_the_same_query_text(tmp_path):
+  """What the encoder receives for a query: the TPU config's in-process
+  Qwen3-Embedding and the H20 config's vLLM endpoint get the same text."""
+  received = {}
+  for module in (qwen3_4b_tpu, qwen3_4b_h20_vllm):
+    section = module.get_config().encoder
+    if section.kind == "qwen3_embedding":
+      section.path = _tiny_qwen3_embedding(tmp_path / "emb")
+    encoder = make_encoder(section)
+    texts = []
+    if section.kind == "openai":
+      encoder.client.embed = lambda batch: (  # noqa: E731
+          texts.extend(batch), np.ones((len(batch), section.dim)))[1]
+    else:
+      tokenize = encoder._tokenize
+      encoder._tokenize = lambda batch: (texts.extend(batch),  # noqa: E731
+                                         tokenize(batch))[1]
+    encoder.encode(["When did Maya adopt Biscuit?"], kind="query")
+    received[module.__name__] = texts
+  first, second = received.values()
+  assert first == second == [instructed_query(
+      qwen3_4b.get_config().encoder.query_instruction,
+      "When did Maya adopt Biscuit?")]
+  assert first[0].startswith("Instruct: ") and first[0].endswith(
+      "\nQuery:When did Maya adopt Biscuit?")
+
+
+def test_symmetric_encoders_refuse_an_instruction():
+  config = build_memory.get_config()
+  config.dataset.path = bundled_path()
+  config.encoder.query_instruction = "Find it"
+  with pytest.raises(ConfigError, match="takes no instruction"):
+    validate_config(config, required=("encoder",))
 
 
 ABLATIONS = sorted(p.stem for p in (
@@ -84,19 +142,62 @@ ABLATIONS = sorted(p.stem for p in (
         "table*.py"))
 
 
+TRAINING_SECTIONS = ("dataset", "memory", "reward", "policy", "rollout", "rl",
+                     "qa")
+EVALUATION_SECTIONS = ("dataset", "encoder", "memory", "judge", "answer",
+                       "builder")
+
+
+def _filled_evaluation(config, tmp_path):
+  config.dataset.path = bundled_path()
+  config.encoder.path = config.builder.path = str(tmp_path)
+  return config
+
+
 @pytest.mark.parametrize("name", ABLATIONS)
 def test_ablation_configs_differ_from_the_base_in_their_changes(
     name, tmp_path):
   module = importlib.import_module(f"configs.ablations.{name}")
   config = module.get_config()
-  assert _differing(qwen3_4b_tpu.get_config(), config) == set(module.CHANGES)
+  assert _differing(module.BASE.get_config(), config) == set(module.CHANGES)
   for key, value in module.CHANGES.items():
     assert _flat(config)[key] == value
   table, row = module.PAPER_ROW
   assert row in {r["variant"] for r in paper_rows(table)}
-  validate_config(_filled(config, tmp_path),
-                  required=("dataset", "memory", "reward", "policy",
-                            "rollout", "rl", "qa"))
+  if module.BASE is eval_qwen3_4b:
+    validate_config(_filled_evaluation(config, tmp_path),
+                    required=EVALUATION_SECTIONS)
+  else:
+    assert module.BASE is qwen3_4b_tpu
+    validate_config(_filled(config, tmp_path), required=TRAINING_SECTIONS)
+
+
+def test_the_prompting_rows_of_table_3_are_evaluations_of_the_agents():
+  """"Qwen3-4B" and "+RM" equal Table 1's MemBuilder-P / Ours-P: the base
+  model through the four JSON agents (no GRPO), flat vs retrieval-indexed
+  memory."""
+  from configs.ablations import table3_qwen3_4b, table3_rm
+  for module, source_chunks in ((table3_qwen3_4b, False), (table3_rm, True)):
+    config = module.get_config()
+    assert config.method == "prompting"
+    assert config.builder.init_checkpoint == ""  # The base model.
+    assert config.memory.source_chunks is source_chunks
+
+
+def test_the_4b_evaluation_config_is_the_papers_protocol(tmp_path):
+  config = eval_qwen3_4b.get_config()
+  assert config.builder.max_new_tokens >= 6000
+  assert config.builder.endpoint.max_tokens >= 6000
+  assert not config.builder.constrained_dsl and config.method == "policy"
+  assert config.encoder == qwen3_4b.get_config().encoder
+  assert config.encoder.kind == "qwen3_embedding"
+  assert (config.memory.qa_top_k, config.memory.source_chunks) == (10, True)
+  assert config.judge.kind == "llm" and config.judge.prompt == "listing11"
+  assert config.answer.kind == "endpoint"
+  assert (config.dataset.name, config.dataset.split) == ("longmemeval",
+                                                         "test")
+  validate_config(_filled_evaluation(config, tmp_path),
+                  required=EVALUATION_SECTIONS)
 
 
 def test_every_ablation_row_of_tables_3_and_9_has_a_config():

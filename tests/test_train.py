@@ -3,12 +3,17 @@
 import importlib.util
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
+import jax
 import numpy as np
 import pytest
 
+from cmimem_jax.cmi.logprob import profile_messages
 from cmimem_jax.cmi.reward import RewardComputer, RewardConfig, RolloutInput
 from cmimem_jax.config import ConfigError, apply_overrides
 from cmimem_jax.evaluation.answering import MemoryContext
@@ -82,8 +87,8 @@ class ScriptedEngine:
     del model
 
   def generate(self, prompts, key, temperature, top_p, max_new_tokens,
-               row_budgets=None):
-    del key, temperature, top_p, max_new_tokens, row_budgets
+               row_budgets=None, constrained=True):
+    del key, temperature, top_p, max_new_tokens, row_budgets, constrained
     tokenizer = self.tokenizer
     length = bucket_length(max(len(p) for p in prompts), (512, 1024))
     prompt_tokens, prompt_mask = left_pad(prompts, length, 0)
@@ -191,7 +196,8 @@ def test_crash_between_checkpoints_then_resume_with_a_snapshot_refresh(
   overrides = {"rl.max_steps": 4, "checkpoint.every_steps": 2,
                "rl.sessions_per_batch": 5}
   first = Trainer(tiny_config(**overrides), str(tmp_path))
-  assert first.curriculum.steps_per_epoch == 3  # Epoch 1 starts at step 4.
+  # Epoch 1 starts at step 4 (index 3).
+  assert (first.curriculum.epoch(2), first.curriculum.epoch(3)) == (0, 1)
   step = first.step
 
   def killed_at_step_4():
@@ -282,3 +288,103 @@ def test_vllm_engine_receives_the_restored_weights(tmp_path, monkeypatch):
   metrics = resumed.run()[0]
   assert metrics["vllm_weight_push"] == "load_weights"
   assert metrics["sampler_trainer_logprob_gap"] >= 0
+
+
+def test_logprob_estimator_scores_with_the_frozen_reference(tmp_path):
+  """App. E: p_ref is the initial policy. A GRPO update moves the policy
+  (the live weights) but not the estimator's values, also with no KL term
+  (kl_beta 0: the reference is kept for the estimator alone)."""
+  loop = Trainer(tiny_config(**{
+      "rl.max_steps": 1, "rl.kl_beta": 0.0, "rl.learning_rate": 0.05,
+      "reward.estimator": "logprob", "reward.profile_max_new_tokens": 4}),
+      str(tmp_path))
+  episode = loop.episode(loop.curriculum.batch(0)[0])
+  after = apply_to_copy(episode.bank, episode.session, parse(RESPONSES[0]),
+                        loop.encoder, loop.config.memory)
+  context = episode.session.format()[:300]
+  before_msgs = [profile_messages(episode.bank, context)]
+  after_msgs = [profile_messages(after, context)]
+  gain = loop.reward.profile_lm.profile_gain(before_msgs, after_msgs)
+  policy_before = jax.device_get(loop.learner.params)
+  # Valid and invalid responses: rewards differ, so the update is real.
+  loop.policy.engine = ScriptedEngine(loop.policy.tokenizer)
+  loop.step()
+  moved = jax.device_get(loop.learner.params)
+  assert any(not np.array_equal(a, b) for a, b in zip(
+      jax.tree.leaves(policy_before), jax.tree.leaves(moved)))
+  np.testing.assert_array_equal(
+      loop.reward.profile_lm.profile_gain(before_msgs, after_msgs), gain)
+
+
+def _train_command(workdir, *overrides):
+  return [sys.executable, "-m", "cmimem_jax.train", "--config=configs/tiny.py",
+          f"--workdir={workdir}", "--config.mesh=fsdp:2,tensor:4",
+          "--config.tensorboard=False", *overrides]
+
+
+def _wait_for(predicate, timeout, what):
+  deadline = time.monotonic() + timeout
+  while not predicate():
+    if time.monotonic() > deadline:
+      raise AssertionError(f"timed out waiting for {what}")
+    time.sleep(0.2)
+
+
+def test_one_writer_per_workdir_and_sigint_saves_then_resumes_exactly(
+    tmp_path):
+  """Two trainers on one workdir: the second stops at once naming the
+  first. Ctrl-C mid-run: the step in progress finishes, a checkpoint is
+  saved, the run exits 130 with one line (no traceback, no segfault); the
+  rerun resumes to the metrics of an uninterrupted run."""
+  overrides = ("--config.rl.max_steps=3", "--config.checkpoint.every_steps=3")
+  run = tmp_path / "run"
+  first = subprocess.Popen(_train_command(run, *overrides), cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+  try:
+    _wait_for(lambda: (run / ".lock").exists(), 300, "the lock")
+    second = subprocess.run(_train_command(run, *overrides), cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode == 1
+    message = second.stderr.strip().splitlines()[-1]
+    assert "in use by train (pid" in message and "Traceback" not in (
+        second.stderr)
+    _wait_for(lambda: len(read_metrics(str(run))) >= 1, 600, "step 1")
+    first.send_signal(signal.SIGINT)
+    _, stderr = first.communicate(timeout=600)
+  finally:
+    first.kill()
+  assert first.returncode == 130, stderr[-3000:]
+  assert "Traceback" not in stderr and "Segmentation" not in stderr
+  assert stderr.strip().splitlines()[-1].startswith("stopped by SIGINT after "
+                                                    "step ")
+  stopped_at = len(read_metrics(str(run)))
+  assert 1 <= stopped_at < 3
+  assert sorted(os.listdir(run / "checkpoints")) == [str(stopped_at)]
+  assert not (run / ".lock").exists()
+  # Resume in this process; then the same run without an interruption.
+  config = tiny_config(**{"rl.max_steps": 3, "checkpoint.every_steps": 3})
+  resumed = Trainer(config, str(run))
+  assert resumed.resumed_from == stopped_at
+  resumed.run()
+  straight = Trainer(config, str(tmp_path / "straight"))
+  straight.run()
+  got, want = read_metrics(str(run)), read_metrics(str(tmp_path / "straight"))
+  assert [m["step"] for m in got] == [1, 2, 3]
+  for a, b in zip(got, want):
+    assert a["sessions"] == b["sessions"]
+    for key in ("reward_mean", "validity_rate", "loss", "kl"):
+      assert a[key] == pytest.approx(b[key], abs=1e-5), key
+
+
+def test_bad_numbers_are_rejected_before_anything_compiles(tmp_path,
+                                                           compiles):
+  before = compiles.count
+  for overrides, fragment in (({"rl.learning_rate": float("nan")},
+                               "rl.learning_rate=nan"),
+                              ({"rl.max_steps": -1}, "rl.max_steps=-1"),
+                              ({"rl.kl_beta": -0.1}, "rl.kl_beta=-0.1"),
+                              ({"reward.mu": float("inf")}, "mu must be")):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+      Trainer(tiny_config(**overrides), str(tmp_path))
+  assert compiles.count == before

@@ -3,6 +3,7 @@
   python tools/bench.py cmi [--scenario=kernel|workload|all] [--devices=2]
   python tools/bench.py forward|generate [--models=qwen3_0p6b,smollm2_135m]
   python tools/bench.py train_step [--model=smollm2_135m --layers=8]
+  python tools/bench.py grpo_step [--prompts=4 --group=4 --new_tokens=64]
 
 Prints one JSON line per case. Every speedup is peer time / our time, each
 the best of `--reps` timed runs after a warm-up (compile excluded; compile
@@ -18,11 +19,19 @@ Scenarios:
             from banks and operations to per-rollout CMI rewards. Peers: the
             per-operation NumPy loop and PyTorch gathering every set into
             [B, N, d] and running the batched kernel.
+  grpo_step one whole GRPO step of SmolLM2-135M-Instruct (the embedded
+            weights): sample `group` completions of `new_tokens` tokens for
+            each prompt, score them with a reward both sides share, one
+            AdamW update with the k3 KL to the frozen reference. Peer:
+            Hugging Face TRL's `GRPOTrainer` (the `bench` extra) with the
+            same prompts, weights, group size, token budget, sampling
+            settings, loss aggregation, optimizer and float32.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -77,6 +86,19 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
   train.add_argument("--devices", type=int, default=1)
   train.add_argument("--attention_impl", default="auto",
                      choices=ATTENTION_CHOICES)
+  grpo = sub.add_parser("grpo_step", help="a whole GRPO step vs TRL")
+  grpo.add_argument("--prompts", type=int, default=4)
+  grpo.add_argument("--group", type=int, default=4,
+                    help="completions per prompt (GRPO's N)")
+  grpo.add_argument("--new_tokens", type=int, default=64)
+  grpo.add_argument("--steps", type=int, default=3,
+                    help="timed steps per side, after one warm-up step")
+  grpo.add_argument("--temperature", type=float, default=1.0)
+  grpo.add_argument("--top_p", type=float, default=1.0)
+  grpo.add_argument("--kl_beta", type=float, default=0.02)
+  grpo.add_argument("--learning_rate", type=float, default=1e-6)
+  grpo.add_argument("--devices", type=int, default=os.cpu_count() or 1,
+                    help="CPU devices our step shards its rows over")
   return parser.parse_args(argv)
 
 
@@ -496,6 +518,184 @@ def run_train_step() -> None:
       "compile_s": round(compile_s, 1)}), flush=True)
 
 
+# --- grpo_step ----------------------------------------------------------------
+
+GRPO_PROMPTS = (
+    "Tell me about your favourite season and why.",
+    "I adopted a beagle named Rex last week. Any tips?",
+    "Summarise what a memory manager for a chat assistant does.",
+    "Plan a three-day trip to Lisbon for a vegetarian.",
+    "Explain gradient descent to a ten-year-old.",
+    "What should I cook tonight with rice, eggs and spinach?",
+    "Write a short poem about the sea.",
+    "How do I keep a houseplant alive in winter?")
+
+
+def shared_reward(text: str) -> float:
+  """The reward both sides score with: distinct words, capped (cheap, and
+  it differs within a group)."""
+  return min(len(set(text.lower().split())), 32) / 32.0
+
+
+def _grpo_prompts() -> list[list[dict[str, str]]]:
+  prompts = [GRPO_PROMPTS[i % len(GRPO_PROMPTS)] for i in range(ARGS.prompts)]
+  return [[{"role": "user", "content": p}] for p in prompts]
+
+
+def _ours_grpo(model, tokenizer) -> dict:
+  """Our step: `ChatPolicy` rollouts (shared-prompt decoding), the shared
+  reward, group advantages, one sharded `Learner` step."""
+  from cmimem_jax.parallel import make_mesh
+  from cmimem_jax.rl import (GRPOLossConfig, Learner, OptimizerConfig,
+                             TrainStepConfig, group_advantages, rollout_batch)
+  from cmimem_jax.sampling import ChatPolicy
+  mesh = make_mesh("data:-1")
+  learner = Learner(model, TrainStepConfig(
+      loss=GRPOLossConfig(kl_beta=ARGS.kl_beta, aggregation="token_mean"),
+      optimizer=OptimizerConfig(learning_rate=ARGS.learning_rate,
+                                grad_clip_norm=1.0),
+      temperature=ARGS.temperature, logprob_chunk=ARGS.new_tokens), mesh)
+  # No EOS: every row generates exactly `new_tokens` (as TRL's
+  # min_new_tokens forces), so both sides do the same work.
+  policy = ChatPolicy.jax(learner.model, tokenizer, 512, (64, 128, 256),
+                          mesh)
+  policy.engine.config = dataclasses.replace(policy.engine.config,
+                                             eos_ids=())
+  prompts = [policy.encode(m) for m in _grpo_prompts()]
+  rows = [p for p in prompts for _ in range(ARGS.group)]
+  key = jax.random.key(0)
+  times = []
+  for step in range(ARGS.steps + 1):
+    key, sub = jax.random.split(key)
+    start = time.perf_counter()
+    out = policy.generate(rows, sub, ARGS.temperature, ARGS.top_p,
+                          ARGS.new_tokens)
+    rollout = time.perf_counter()
+    texts = [policy.decode(t) for t in out.completions()]
+    rewards = np.array([shared_reward(t) for t in texts])
+    advantages = group_advantages(rewards, np.ones(len(rows)), ARGS.group)
+    batch = rollout_batch(out, advantages)
+    scored = time.perf_counter()
+    learner.step(batch)
+    policy.set_model(learner.model)
+    done = time.perf_counter()
+    if step:  # Step 0 compiles.
+      times.append({"rollout_s": rollout - start, "scoring_s": scored - rollout,
+                    "update_s": done - scored, "step_s": done - start,
+                    "tokens": int(out.lengths.sum()),
+                    "rows": int(len(rows))})
+  return _median_step(times)
+
+
+def _median_step(times: list[dict]) -> dict:
+  """The step of median total time, with its split."""
+  chosen = sorted(times, key=lambda t: t["step_s"])[len(times) // 2]
+  return {k: (round(v, 3) if isinstance(v, float) else v)
+          for k, v in chosen.items()}
+
+
+def _trl_grpo(directory: str, tokenizer) -> dict:
+  """TRL's `GRPOTrainer`, one generation and one update per step, its
+  generation, reward and whole-step times taken around its own methods."""
+  import datasets
+  import transformers
+  import trl
+  times, current = [], {}
+
+  def timed(fn, name):
+    def wrapper(*args, **kwargs):
+      start = time.perf_counter()
+      out = fn(*args, **kwargs)
+      current[name] = current.get(name, 0.0) + time.perf_counter() - start
+      return out
+    return wrapper
+
+  def reward(completions, completion_ids, **kwargs):
+    del kwargs
+    current["tokens"] = sum(len(ids) for ids in completion_ids)
+    current["rows"] = len(completion_ids)
+    return [shared_reward(c[0]["content"] if isinstance(c, list) else c)
+            for c in completions]
+
+  class StepTimer(transformers.TrainerCallback):
+    def on_step_begin(self, args, state, control, **kwargs):
+      current.clear()
+      current["start"] = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+      total = time.perf_counter() - current.pop("start")
+      times.append({"rollout_s": current["rollout_s"],
+                    "scoring_s": current["scoring_s"],
+                    "update_s": total - current["rollout_s"]
+                    - current["scoring_s"], "step_s": total,
+                    "tokens": current["tokens"], "rows": current["rows"]})
+
+  rows = ARGS.prompts * ARGS.group
+  config = trl.GRPOConfig(
+      output_dir=os.path.join(directory, "trl"), report_to="none",
+      use_cpu=True, bf16=False, fp16=False, seed=0,
+      per_device_train_batch_size=rows, gradient_accumulation_steps=1,
+      num_generations=ARGS.group, steps_per_generation=1, num_iterations=1,
+      max_completion_length=ARGS.new_tokens,
+      generation_kwargs={"min_new_tokens": ARGS.new_tokens},
+      temperature=ARGS.temperature, top_p=ARGS.top_p, top_k=0,
+      beta=ARGS.kl_beta, epsilon=0.2, loss_type="dapo",
+      scale_rewards="group", learning_rate=ARGS.learning_rate,
+      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+      adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
+      max_steps=ARGS.steps + 1, logging_steps=1, save_strategy="no",
+      disable_tqdm=True, dataloader_num_workers=0, shuffle_dataset=False)
+  dataset = datasets.Dataset.from_dict(
+      {"prompt": _grpo_prompts() * (ARGS.steps + 1)})
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      directory, torch_dtype=torch.float32)
+  trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=config,
+                            train_dataset=dataset, processing_class=tokenizer,
+                            callbacks=[StepTimer()])
+  trainer._generate = timed(trainer._generate, "rollout_s")
+  trainer._calculate_rewards = timed(trainer._calculate_rewards, "scoring_s")
+  trainer.train()
+  return _median_step(times[1:])  # Step 1 warms up.
+
+
+def run_grpo_step() -> None:
+  import tempfile
+
+  from cmimem_jax.models.qwen3 import load_gguf
+  from cmimem_jax.models.qwen3.params import smollm2_gguf_path, save_hf
+  from cmimem_jax.sampling import load_tokenizer
+  torch.set_num_threads(os.cpu_count() or 1)
+  transformers_logging()
+  tokenizer = load_tokenizer("")
+  if tokenizer.pad_token is None:
+    tokenizer.pad_token = tokenizer.eos_token
+  model = load_gguf(smollm2_gguf_path())
+  with tempfile.TemporaryDirectory() as directory:
+    # The same float32 weights on both sides: ours, saved for transformers.
+    save_hf(model, directory)
+    tokenizer.save_pretrained(directory)
+    trl_step = _trl_grpo(directory, tokenizer)
+    ours = _ours_grpo(model, tokenizer)
+  print(json.dumps({
+      "scenario": "grpo_step", "model": "smollm2_135m",
+      "prompts": ARGS.prompts, "group": ARGS.group,
+      "new_tokens": ARGS.new_tokens, "kl_beta": ARGS.kl_beta,
+      "devices": len(jax.devices()), "torch_threads": torch.get_num_threads(),
+      "vs_trl": round(trl_step["step_s"] / ours["step_s"], 2),
+      "rollout_vs_trl": round(trl_step["rollout_s"] / ours["rollout_s"], 2),
+      "update_vs_trl": round(trl_step["update_s"] / ours["update_s"], 2),
+      "same_work": (ours["tokens"], ours["rows"]) == (trl_step["tokens"],
+                                                      trl_step["rows"]),
+      "ours": ours, "trl": trl_step}), flush=True)
+
+
+def transformers_logging() -> None:
+  """Quiet the peer's INFO / progress output."""
+  import transformers
+  transformers.logging.set_verbosity_error()
+  os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 if __name__ == "__main__":
   {"cmi": run_cmi, "forward": run_forward, "generate": run_generate,
-   "train_step": run_train_step}[ARGS.command]()
+   "train_step": run_train_step, "grpo_step": run_grpo_step}[ARGS.command]()

@@ -63,7 +63,10 @@ class ChatModel(Protocol):
   """Anything that answers chat conversations: `OpenAIClient` or our Flax
   policy (`sampling.ChatPolicy`)."""
 
-  def chat_many(self, conversations: Sequence[Messages]) -> list[CallResult]:
+  def chat_many(self, conversations: Sequence[Messages],
+                max_tokens: int | None = None) -> list[CallResult]:
+    """One answer per conversation, in order; `max_tokens` overrides the
+    model's own answer budget."""
     ...
 
 
@@ -158,9 +161,12 @@ class OpenAIClient:
     return result
 
   def chat_many(self, conversations: Sequence[Messages],
-                **overrides: Any) -> list[CallResult]:
+                max_tokens: int | None = None, **overrides: Any
+                ) -> list[CallResult]:
     """Concurrent `chat` calls (at most `concurrency` in flight), results
-    in input order."""
+    in input order; `max_tokens` overrides the endpoint's."""
+    if max_tokens is not None:
+      overrides["max_tokens"] = max_tokens
     with concurrent.futures.ThreadPoolExecutor(
         max(1, self.config.concurrency)) as pool:
       return list(pool.map(lambda m: self.chat(m, **overrides),

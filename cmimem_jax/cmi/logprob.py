@@ -54,8 +54,10 @@ class ProfileLM(Protocol):
 
 
 class PolicyProfileLM:
-  """`ProfileLM` over our policy: profiles from its engine (greedy),
-  scores from its JAX weights (`model()`, the learner's latest)."""
+  """`ProfileLM` over a `ChatPolicy`: profiles from its engine (greedy,
+  free text), scores from the JAX weights `model()` returns. The training
+  loop gives it the frozen reference p_ref (App. A / H.3), so a policy
+  update never moves the estimate."""
 
   def __init__(self, policy: ChatPolicy, model: Callable[[], Qwen3],
                max_new_tokens: int = 256, chunk: int = 256):
@@ -67,7 +69,7 @@ class PolicyProfileLM:
     prompts_after = [self.policy.encode(m) for m in after]
     prompts_before = [self.policy.encode(m) for m in before]
     out = self.policy.generate(prompts_after, jax.random.key(0), 0.0, 1.0,
-                               self.max_new_tokens)
+                               self.max_new_tokens, constrained=False)
     profiles = [self.policy.completion_tokens(out, i)
                 for i in range(len(after))]
     model = self.model()

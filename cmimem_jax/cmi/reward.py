@@ -34,6 +34,7 @@ from cmimem_jax.cmi.banked import banked_rho
 from cmimem_jax.cmi.conditioning import ConditioningConfig
 from cmimem_jax.cmi.logprob import ProfileLM, profile_messages
 from cmimem_jax.config import register_section
+from cmimem_jax.data.fragments import user_statements
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.memory.bank import MemoryBank, embed_texts
 from cmimem_jax.memory.dsl import ParsedResponse
@@ -85,6 +86,14 @@ class RewardConfig:
   attribution_weight: float = 4.0
 
   def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{field.name} must be finite, got {value}")
+    if min(self.length_weight, self.intra_duplicate_weight,
+           self.cross_duplicate_weight, self.core_specificity_weight,
+           self.semantic_skip_bonus, self.attribution_weight) < 0:
+      raise ValueError("penalty, bonus and attribution weights must be >= 0")
     if self.shaping not in ("gaussian", "none"):
       raise ValueError(f"shaping must be 'gaussian' or 'none', got "
                        f"{self.shaping!r}")
@@ -164,6 +173,8 @@ class RolloutInput:
       answering the session's QA on `M_t` (for attribution); None = no
       attribution.
     bank_after: `M_t` (valid responses; the log-prob estimator needs it).
+    user_turns: The session's user utterances, whose statements the
+      semantic-SKIP judgement weighs; None = every line of `context`.
   """
   bank: MemoryBank
   context: str
@@ -171,6 +182,13 @@ class RolloutInput:
   qa_reward: float = 0.0
   retrieval_counts: Mapping[MemoryType, int] | None = None
   bank_after: MemoryBank | None = None
+  user_turns: tuple[str, ...] | None = None
+
+  def statements(self) -> list[str]:
+    """What the user states in the session (`user_statements`)."""
+    turns = (self.user_turns if self.user_turns is not None
+             else _session_lines(self.context))
+    return user_statements(turns)
 
 
 @dataclasses.dataclass
@@ -380,14 +398,18 @@ class RewardComputer:
                          which: list[int]) -> dict[int, float]:
     """ρ of the session against the semantic store (SPEC §4.4), for the
     rollouts that SKIP semantic: the largest clamped CMI
-    `ρ(C; u | M_sem)` over the session's turns `u` (its lines), i.e. what
-    the best semantic write drawn from this session would score. The
-    conditioning set is the semantic store (top-k by the App. F query; no
-    recency term), with the cosine fallback below `min_memories` entries.
+    `ρ(C; u | M_sem)` over what the user states in the session (clauses of
+    the user's turns that are not questions: App. B's SKIP is for content
+    that is not user-specific), i.e. what the best semantic write drawn
+    from the user's own words would score; 0 when the user states nothing
+    (a session of common-knowledge questions). The conditioning set is
+    the semantic store (top-k by the App. F query; no recency term), with
+    the cosine fallback below `min_memories` entries.
     """
+    turns = {i: rollouts[i].statements() for i in which}
+    which = [i for i in which if turns[i]]
     if not which:
-      return {}
-    turns = {i: _session_lines(rollouts[i].context) for i in which}
+      return {i: 0.0 for i in turns}
     rows = _bucket(len(which), 8)  # Few compiled shapes across batches.
     stores = [rollouts[i].bank.stores[MemoryType.SEMANTIC] for i in which]
     m = _bucket(max(len(store) for store in stores), 32)
@@ -408,8 +430,9 @@ class RewardComputer:
         config=dataclasses.replace(self.config.conditioning, n_recent=0),
         min_memories=self.config.min_memories)
     rho_new = np.clip(np.asarray(rho_new), 0.0, 1.0)
-    return {i: float(rho_new[row, :len(turns[i])].max(initial=0.0))
-            for row, i in enumerate(which)}
+    found = {i: float(rho_new[row, :len(turns[i])].max(initial=0.0))
+             for row, i in enumerate(which)}
+    return {i: found.get(i, 0.0) for i in turns}
 
   # -- per-rollout terms ---------------------------------------------------
 
@@ -433,7 +456,7 @@ class RewardComputer:
         op.memory_type is MemoryType.SEMANTIC and not op.writes
         for op in r.response.operations)]
     for i in skips:
-      texts.update(_session_lines(rollouts[i].context))
+      texts.update(rollouts[i].statements())
     ordered = sorted(texts)
     embeddings = dict(zip(ordered, embed_texts(self.encoder, ordered)))
     if self.config.estimator == "logprob":

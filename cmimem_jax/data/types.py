@@ -70,6 +70,10 @@ class Session:
     """Renders the session as `speaker: text` lines (FormatSession, Alg. 1)."""
     return "\n".join(f"{t.speaker}: {t.text}" for t in self.turns)
 
+  def user_turns(self) -> tuple[str, ...]:
+    """The texts of the user's turns (role "user")."""
+    return tuple(t.text for t in self.turns if t.role == "user")
+
 
 @dataclasses.dataclass(frozen=True)
 class Question:

@@ -11,6 +11,18 @@ import numpy as np
 
 EncodeKind = Literal["query", "document"]
 
+# The Qwen3-Embedding query instruction of every config that does not set
+# `encoder.query_instruction` (the task is memory retrieval, not web search).
+DEFAULT_QUERY_INSTRUCTION = ("Given a memory query, retrieve relevant "
+                             "memories that answer the query")
+
+
+def instructed_query(instruction: str, text: str) -> str:
+  """What an instruction-tuned encoder embeds for a query: Qwen3-Embedding's
+  `Instruct: {task}\nQuery:{text}`, or the raw text without an
+  instruction (symmetric encoders)."""
+  return f"Instruct: {instruction}\nQuery:{text}" if instruction else text
+
 
 @runtime_checkable
 class Encoder(Protocol):

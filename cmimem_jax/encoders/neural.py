@@ -16,13 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cmimem_jax.encoders.base import EncodeKind
+from cmimem_jax.encoders.base import (DEFAULT_QUERY_INSTRUCTION, EncodeKind,
+                                      instructed_query)
 from cmimem_jax.models.bert import load_bert, mean_pool
 from cmimem_jax.models.qwen3 import load_hf, positions_from_mask
 
 DEFAULT_LENGTH_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-QWEN3_DEFAULT_TASK = ("Given a memory query, retrieve relevant memories "
-                      "that answer the query")
 
 
 def last_token_pool(hidden: jax.Array, mask: jax.Array) -> jax.Array:
@@ -47,25 +46,30 @@ class TransformerEncoder:
     max_length: Truncation length in tokens.
     batch_size: Largest compiled batch (smaller calls compile at the next
       power of two).
-    query_prefix: Format string with `{text}` for `kind="query"`.
+    query_instruction: Queries are embedded as `instructed_query(it,
+      text)` ("": raw text).
     padding_side: "left" or "right".
   """
 
   def __init__(self, model: nnx.Module,
                pooled: Callable[[nnx.Module, jax.Array, jax.Array], jax.Array],
                tokenizer, dim: int, max_length: int, batch_size: int = 32,
-               query_prefix: str = "{text}", padding_side: str = "right",
+               query_instruction: str = "", padding_side: str = "right",
                length_buckets: Sequence[int] = DEFAULT_LENGTH_BUCKETS):
     self.model = model
     self.tokenizer = tokenizer
     self.dim = dim
     self.max_length = max_length
     self.batch_size = batch_size
-    self.query_prefix = query_prefix
+    self.query_instruction = query_instruction
     self.padding_side = padding_side
     self.buckets = tuple(b for b in length_buckets if b < max_length) + (
         max_length,)
     self._forward = nnx.jit(pooled, graph=False)
+
+  def query_text(self, text: str) -> str:
+    """What this encoder embeds for the query `text`."""
+    return instructed_query(self.query_instruction, text)
 
   def _tokenize(self, texts: Sequence[str]) -> list[list[int]]:
     encoded = self.tokenizer(list(texts), truncation=True,
@@ -77,7 +81,7 @@ class TransformerEncoder:
     if isinstance(texts, str):
       raise TypeError("encode() takes a sequence of texts, not one string")
     if kind == "query":
-      texts = [self.query_prefix.format(text=t) for t in texts]
+      texts = [self.query_text(t) for t in texts]
     out = np.zeros((len(texts), self.dim), np.float32)
     if not texts:
       return out
@@ -141,7 +145,8 @@ class MiniLMEncoder(TransformerEncoder):
 class Qwen3EmbeddingEncoder(TransformerEncoder):
   """Qwen3-Embedding: last real token, L2 norm, instruction for queries."""
 
-  def __init__(self, directory: str, task: str = QWEN3_DEFAULT_TASK,
+  def __init__(self, directory: str,
+               instruction: str = DEFAULT_QUERY_INSTRUCTION,
                batch_size: int = 16, max_length: int = 8192):
     from transformers import AutoTokenizer
     model = load_hf(directory, lm_head=False)
@@ -149,5 +154,5 @@ class Qwen3EmbeddingEncoder(TransformerEncoder):
     super().__init__(model, _qwen3_pooled, tokenizer,
                      dim=model.config.hidden_size, max_length=max_length,
                      batch_size=batch_size,
-                     query_prefix=f"Instruct: {task}\nQuery:{{text}}",
+                     query_instruction=instruction,
                      padding_side="left")

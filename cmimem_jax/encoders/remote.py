@@ -7,23 +7,29 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cmimem_jax.encoders.base import EncodeKind
+from cmimem_jax.encoders.base import EncodeKind, instructed_query
 from cmimem_jax.client import EndpointConfig, OpenAIClient
 
 
 class OpenAIEncoder:
-  """`Encoder` over an endpoint: queries get `query_prefix` (Qwen3-Embedding
-  instruction), rows are re-normalised, the width is checked against
+  """`Encoder` over an endpoint: queries are embedded as
+  `instructed_query(query_instruction, text)` (Qwen3-Embedding served by
+  vLLM; "": raw text), rows are re-normalised, the width is checked against
   `dim`, and a failed request raises (after the client's retries)."""
 
   def __init__(self, endpoint: EndpointConfig, dim: int,
-               query_prefix: str = "", batch_size: int = 64):
+               query_instruction: str = "", batch_size: int = 64):
     self.client = OpenAIClient(endpoint)
-    self.dim, self.query_prefix, self.batch_size = dim, query_prefix, batch_size
+    self.dim, self.batch_size = dim, batch_size
+    self.query_instruction = query_instruction
+
+  def query_text(self, text: str) -> str:
+    """What this encoder embeds for the query `text`."""
+    return instructed_query(self.query_instruction, text)
 
   def encode(self, texts: Sequence[str],
              kind: EncodeKind = "document") -> np.ndarray:
-    texts = [self.query_prefix + t if kind == "query" else t for t in texts]
+    texts = [self.query_text(t) if kind == "query" else t for t in texts]
     out = np.zeros((len(texts), self.dim), np.float32)
     for start in range(0, len(texts), self.batch_size):
       vectors = self.client.embed(texts[start:start + self.batch_size])

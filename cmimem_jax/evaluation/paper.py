@@ -71,8 +71,11 @@ class OurResult:
         settings = json.load(f)
     return cls(os.path.basename(os.path.normpath(workdir)), result, settings)
 
-  def columns(self, overall_column: str) -> dict[str, float]:
-    """Our numbers in percent under the table's column names."""
+  def columns(self, overall_column: str, without_category_5: bool = False
+              ) -> dict[str, float]:
+    """Our numbers in percent under the table's column names
+    (`without_category_5`: LoCoMo's overall without the adversarial
+    category, as prior work reports it)."""
     if self.result["dataset"] == "memoryagentbench":
       # Table 2's protocol (Table 17 metrics, groups, FC-MH excluded); its
       # Overall only when every group was scored.
@@ -82,7 +85,10 @@ class OurResult:
       if "Overall" in out:
         out[overall_column] = out["Overall"]
       return out
-    out = {overall_column: 100.0 * self.result["overall"]}
+    overall = self.result["overall"]
+    if without_category_5:
+      overall = self.result["without_adversarial"]
+    out = {overall_column: 100.0 * overall}
     if self.result["dataset"] == "longmemeval":
       for category, column in LONGMEMEVAL_COLUMNS.items():
         value = self.result.get("by_category", {}).get(category)
@@ -132,6 +138,9 @@ def compare(ours: Sequence[OurResult]) -> list[dict[str, Any]]:
     "paper", "ours", "reference", "difference", "settings"}`; `difference`
     is ours − reference row per shared column, in percentage points;
     `settings` maps each stated setting to `{"paper", "ours", "differs"}`.
+    LoCoMo results also carry `ours_without_category_5` and its
+    `difference_without_category_5` (the paper does not say whether its
+    LoCoMo column counts category 5; prior work leaves it out).
   """
   out = []
   for result in ours:
@@ -156,7 +165,7 @@ def compare(ours: Sequence[OurResult]) -> list[dict[str, Any]]:
         settings.setdefault(key, {"paper": spec["settings"].get(key, "-"),
                                   "ours": ours_settings[key],
                                   "differs": False})
-      out.append({
+      item = {
           "table": table, "title": spec["title"], "label": result.label,
           "columns": columns,
           "paper": [{"variant": r["variant"], **{c: r[c] for c in columns}}
@@ -165,7 +174,13 @@ def compare(ours: Sequence[OurResult]) -> list[dict[str, Any]]:
           "reference": reference,
           "difference": {c: mine[c] - by_name[reference][c]
                          for c in columns},
-          "settings": settings})
+          "settings": settings}
+      if dataset == "locomo" and "without_adversarial" in result.result:
+        alone = result.columns(overall_column, without_category_5=True)
+        item["ours_without_category_5"] = {c: alone[c] for c in columns}
+        item["difference_without_category_5"] = {
+            c: alone[c] - by_name[reference][c] for c in columns}
+      out.append(item)
   return out
 
 
@@ -190,6 +205,15 @@ def to_markdown(comparisons: Sequence[Mapping[str, Any]]) -> str:
         f"**{_number(item['ours'][c])}**" for c in columns) + " |")
     lines.append(f"| Δ ours − {item['reference']} | " + " | ".join(
         f"{item['difference'][c]:+.2f}" for c in columns) + " |")
+    if "ours_without_category_5" in item:
+      lines.append(f"| **ours: {item['label']}, without category 5** | "
+                   + " | ".join(
+                       f"**{_number(item['ours_without_category_5'][c])}**"
+                       for c in columns) + " |")
+      lines.append(f"| Δ without category 5 − {item['reference']} | "
+                   + " | ".join(
+                       f"{item['difference_without_category_5'][c]:+.2f}"
+                       for c in columns) + " |")
     lines += ["", "| Setting | Paper | Ours |", "|---|---|---|"]
     for key, value in item["settings"].items():
       flag = " ⚠ differs" if value["differs"] else ""

@@ -17,6 +17,7 @@ results (`result_settings`), and a rerun with other settings is refused.
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
 import time
@@ -28,8 +29,9 @@ from tqdm import tqdm
 from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
 from cmimem_jax.config import (qa_chunk_budget, register_section,
                                validate_config)
-from cmimem_jax.data import (Dialogue, Question, configured_split,
-                             load_configured, path_under, read_jsonl)
+from cmimem_jax.data import (Dialogue, Question, WorkdirLock,
+                             configured_split, load_configured, path_under,
+                             read_jsonl)
 from cmimem_jax.encoders import Encoder, make_encoder
 from cmimem_jax.evaluation.answering import (MemoryContext, QAContext, TurnRAG,
                                              answer_many)
@@ -65,6 +67,9 @@ def _check_evaluation(c) -> None:
   for section in ("answer", "builder"):
     c.check(f"{section}.constrained_dsl", lambda v: isinstance(v, bool),
             "True or False")
+    c.check(f"{section}.checkpoint_step",
+            lambda v: isinstance(v, int) and v >= 0,
+            "an int >= 0 (0: the newest checkpoint of init_checkpoint)")
   c.check("rag_top_k", lambda v: isinstance(v, int) and v > 0,
           "a positive integer")
   if c.get("judge.kind") == "llm" and c.get("answer.kind") == "none":
@@ -96,7 +101,8 @@ def make_chat_model(section: Any, constraint_regex: str | None = None
   path = section.path or smollm2_gguf_path()
   model = load_hf(path) if os.path.isdir(path) else load_gguf(path)
   if section.init_checkpoint:  # E.g. a `train` or `sft` workdir.
-    load_model_weights(model, section.init_checkpoint)
+    load_model_weights(model, section.init_checkpoint,
+                       section.checkpoint_step)
   tokenizer = load_tokenizer(path)
   constraint = (None if constraint_regex is None else
                 TokenConstraint.from_regex(constraint_regex, tokenizer))
@@ -205,6 +211,15 @@ def read_records(path: str) -> dict[str, dict]:
   return {r["question_id"]: r for r in read_jsonl(path)}
 
 
+def file_sha256(path: str) -> str:
+  """The SHA-256 of a file's bytes (read in 1 MiB blocks)."""
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()
+
+
 def result_settings(config) -> dict[str, Any]:
   """What decides a question's record and the cached banks: the dataset,
   method, encoder, memory settings and the models that build, answer and
@@ -218,12 +233,16 @@ def result_settings(config) -> dict[str, Any]:
               "max_tokens": section.endpoint.max_tokens}
     return {"kind": "local", "path": section.path,
             "init_checkpoint": section.init_checkpoint,
+            "checkpoint_step": section.checkpoint_step,
             "max_new_tokens": section.max_new_tokens,
             "constrained_dsl": section.constrained_dsl}
   llm_judge = config.judge.kind == "llm"
   settings = {
       "dataset": config.dataset.name,
       "dataset_file": os.path.basename(config.dataset.path),
+      # The content, not the name: another file of the same name (other
+      # evidence, other answers) must not reuse these records.
+      "dataset_sha256": file_sha256(config.dataset.path),
       "split": configured_split(config.dataset, "evaluate"),
       "method": config.method,
       "rag_top_k": config.rag_top_k if config.method == "rag" else None,
@@ -294,7 +313,7 @@ def evaluate(config, workdir: str) -> dict:
   `results.json`."""
   validate_config(config, required=("dataset", "encoder", "memory", "judge",
                                     "answer", "builder"))
-  os.makedirs(workdir, exist_ok=True)
+  WorkdirLock(workdir, "evaluate").acquire()
   dialogues = load_configured(config.dataset, "evaluate")
   dialogues = dialogues[config.dataset.get("start", 0):]
   if config.dataset.dialogues:
@@ -302,6 +321,11 @@ def evaluate(config, workdir: str) -> dict:
   selected = [(d, q) for d in dialogues for q in d.questions]
   if config.limit:
     selected = selected[:config.limit]
+  if not selected:
+    raise ValueError(f"{config.dataset.path}: no questions to evaluate "
+                     f"({len(dialogues)} dialogues from dataset.start="
+                     f"{config.dataset.get('start', 0)}, split "
+                     f"{configured_split(config.dataset, 'evaluate')!r})")
   ids = collections.Counter(q.question_id for _, q in selected)
   repeated = [qid for qid, count in ids.items() if count > 1]
   if repeated:
@@ -309,8 +333,9 @@ def evaluate(config, workdir: str) -> dict:
                      f"(records would merge), e.g. {repeated[:5]}")
   check_settings(workdir, result_settings(config))
   path = os.path.join(workdir, "predictions.jsonl")
+  # Scored and unscorable records are final; failed judgements are redone.
   done = {qid for qid, r in read_records(path).items()
-          if r.get("score") is not None}
+          if r.get("score") is not None or r.get("unscorable")}
   pending: dict[str, list[Question]] = collections.defaultdict(list)
   for dialogue, question in selected:
     if question.question_id not in done:
@@ -350,8 +375,8 @@ def evaluate(config, workdir: str) -> dict:
       provider = context_provider(dialogue, encoder, config, workdir, builder,
                                   failures, editors)
       step = wave or len(questions)
-      for start in range(0, len(questions), step):
-        for record in score_dialogue(dialogue, questions[start:start + step],
+      for first in range(0, len(questions), step):
+        for record in score_dialogue(dialogue, questions[first:first + step],
                                      provider, config, answerer, judge):
           out.write(json.dumps(record) + "\n")
           out.flush()  # A crash loses at most the calls still in flight.

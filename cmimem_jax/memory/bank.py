@@ -206,6 +206,23 @@ class MemoryBank:
     version = f"v{self.step:06d}-{uuid.uuid4().hex[:8]}"
     staging = os.path.join(directory, f".tmp-{version}")
     os.makedirs(staging)
+    try:
+      self._write_version(staging)
+    except BaseException:
+      shutil.rmtree(staging, ignore_errors=True)  # Nothing half-written.
+      raise
+    os.rename(staging, os.path.join(directory, version))
+    _write_file(os.path.join(directory, f".{_CURRENT}.tmp"), version.encode())
+    os.replace(os.path.join(directory, f".{_CURRENT}.tmp"),
+               os.path.join(directory, _CURRENT))
+    _fsync_dir(directory)
+    for name in os.listdir(directory):
+      if _VERSION.fullmatch(name) and name != version:
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    return os.path.join(directory, version)
+
+  def _write_version(self, staging: str) -> None:
+    """The files of one version, in `staging`."""
     meta = {"format_version": FORMAT_VERSION, "user_id": self.user_id,
             "dim": self.dim, "core": self.core, "step": self.step,
             "next_id": self._next_id}
@@ -221,15 +238,6 @@ class MemoryBank:
       _write_file(os.path.join(staging, f"{memory_type.value}.faiss"),
                   faiss.serialize_index(index).tobytes())
     _fsync_dir(staging)
-    os.rename(staging, os.path.join(directory, version))
-    _write_file(os.path.join(directory, f".{_CURRENT}.tmp"), version.encode())
-    os.replace(os.path.join(directory, f".{_CURRENT}.tmp"),
-               os.path.join(directory, _CURRENT))
-    _fsync_dir(directory)
-    for name in os.listdir(directory):
-      if _VERSION.fullmatch(name) and name != version:
-        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-    return os.path.join(directory, version)
 
   @classmethod
   def load(cls, directory: str) -> MemoryBank:

@@ -24,25 +24,35 @@ from cmimem_jax.memory.prompt_builder import (build_compression_prompt,
                                               build_merge_prompt)
 
 
-def _ask(model: ChatModel, prompt: str, what: str) -> str:
-  (result,) = model.chat_many([[{"role": "user", "content": prompt}]])
+# Answer budgets (tokens) that fit the listings: Listing 5 asks for a core
+# block of up to `compress_target_chars` (3,000) characters inside JSON,
+# ~1,000 tokens for English text; a Listing 9 summary is shorter.
+DEFAULT_COMPRESS_MAX_TOKENS = 1536
+DEFAULT_MERGE_MAX_TOKENS = 1024
+
+
+def _ask(model: ChatModel, prompt: str, what: str, max_tokens: int) -> str:
+  (result,) = model.chat_many([[{"role": "user", "content": prompt}]],
+                              max_tokens)
   if not result.ok:
     raise RuntimeError(f"{what} call failed: {result.error}")
   return result.text
 
 
 class ChatCompressor:
-  """Listing 5 over a `ChatModel`; counts its calls."""
+  """Listing 5 over a `ChatModel`, answers of up to `max_tokens`; counts
+  its calls."""
 
-  def __init__(self, model: ChatModel, config: CoreConfig):
-    self.model, self.config = model, config
+  def __init__(self, model: ChatModel, config: CoreConfig,
+               max_tokens: int = DEFAULT_COMPRESS_MAX_TOKENS):
+    self.model, self.config, self.max_tokens = model, config, max_tokens
     self.calls = 0
 
   def __call__(self, core: str) -> str:
     self.calls += 1
     prompt = build_compression_prompt(core, self.config.cap_chars,
                                       self.config.compress_target_chars)
-    text = _ask(self.model, prompt, "compression")
+    text = _ask(self.model, prompt, "compression", self.max_tokens)
     content = loads_llm_json(text).get("content")
     if not isinstance(content, str) or not content.strip():
       raise ValueError(f"no 'content' in the compression answer: "
@@ -51,16 +61,18 @@ class ChatCompressor:
 
 
 class ChatMergeSummarizer:
-  """Listing 9 over a `ChatModel`: the answer is the merged text itself."""
+  """Listing 9 over a `ChatModel`: the answer (up to `max_tokens`) is the
+  merged text itself."""
 
-  def __init__(self, model: ChatModel):
-    self.model = model
+  def __init__(self, model: ChatModel,
+               max_tokens: int = DEFAULT_MERGE_MAX_TOKENS):
+    self.model, self.max_tokens = model, max_tokens
     self.calls = 0
 
   def __call__(self, agent_type: str, memories: Sequence[str]) -> str:
     self.calls += 1
     text = _ask(self.model, build_merge_prompt(agent_type, memories),
-                "merge summary").strip()
+                "merge summary", self.max_tokens).strip()
     if not text:
       raise ValueError("empty merge summary")
     return text
@@ -75,14 +87,18 @@ def _model(memory: Any, key: str, models: Mapping[str, ChatModel | None]
   if model is None:
     raise ValueError(f"memory.{key}={name!r}, but this job has no {name} "
                      f"model (have: {sorted(k for k, v in models.items() if v)})")
-  return model
+  # A local policy may decode under the DSL grammar; Listings 5 and 9 are
+  # not DSL (`ChatPolicy.free_text`).
+  free_text = getattr(model, "free_text", None)
+  return free_text() if free_text is not None else model
 
 
 def memory_editors(memory: Any, models: Mapping[str, ChatModel | None]
                    ) -> MemoryEditors:
   """`memory.compressor` and `memory.merge_summarizer` of a job over its
-  models (`{"policy": ..., "answer": ...}`); "none" leaves that rewrite to
-  its counted fallback.
+  models (`{"policy": ..., "answer": ...}`; a policy as its `free_text()`
+  view), answers of up to `memory.compress_max_tokens` /
+  `merge_max_tokens`; "none" leaves that rewrite to its counted fallback.
 
   Raises:
     ValueError: a configured model is not part of this job.
@@ -90,5 +106,7 @@ def memory_editors(memory: Any, models: Mapping[str, ChatModel | None]
   compress = _model(memory, "compressor", models)
   merge = _model(memory, "merge_summarizer", models)
   return MemoryEditors(
-      compress_core=compress and ChatCompressor(compress, core_config(memory)),
-      summarize_merge=merge and ChatMergeSummarizer(merge))
+      compress_core=compress and ChatCompressor(
+          compress, core_config(memory), memory.compress_max_tokens),
+      summarize_merge=merge and ChatMergeSummarizer(
+          merge, memory.merge_max_tokens))

@@ -57,6 +57,11 @@ class ParsedResponse:
     return tuple(op for op in self.operations if op.writes)
 
 
+# Far beyond any response the policy writes (Table 7: 6,000 tokens, about
+# 30,000 characters); parsing a longer text would only cost time.
+MAX_RESPONSE_CHARS = 200_000
+
+
 def _strip_think(text: str) -> tuple[int, LineError | None]:
   """Returns where the DSL body starts, skipping a leading think block."""
   stripped = text.lstrip()
@@ -71,6 +76,10 @@ def _strip_think(text: str) -> tuple[int, LineError | None]:
 
 def _parse_line(line: str) -> Operation | str:
   """Parses one non-blank line into an operation, or returns the error."""
+  try:
+    line.encode("utf-8")
+  except UnicodeEncodeError:  # A lone surrogate: no file can store it.
+    return "not valid Unicode text"
   match = _LINE.match(line)
   if not match:
     return "not a TYPE:ACTION|field line"
@@ -121,6 +130,10 @@ def parse(text: str) -> ParsedResponse:
   """
   if not isinstance(text, str):
     return ParsedResponse("", (), (LineError(None, "", "response is not text"),))
+  if len(text) > MAX_RESPONSE_CHARS:
+    return ParsedResponse(text, (), (LineError(
+        None, "", f"response of {len(text)} characters exceeds "
+        f"{MAX_RESPONSE_CHARS}"),))
   body_start, think_error = _strip_think(text)
   errors = [think_error] if think_error else []
   operations = []

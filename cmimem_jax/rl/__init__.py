@@ -9,16 +9,19 @@ from cmimem_jax.rl.checkpoint import (Checkpointer, Restored,
                                       load_model_weights)
 from cmimem_jax.rl.logprobs import (mean_continuation_logprobs,
                                     recompute_logprobs, token_logprobs)
-from cmimem_jax.rl.losses import (GRPOLossConfig, Objective, SFTLossConfig,
-                                  grpo_loss, k3_kl, sft_loss)
+from cmimem_jax.rl.losses import (AGGREGATIONS, GRPOLossConfig, Objective,
+                                  SFTLossConfig, aggregation_scale, grpo_loss,
+                                  k3_kl, sft_loss)
 from cmimem_jax.rl.metrics import MetricsWriter, read_metrics
+from cmimem_jax.rl.signals import StopSignals
 from cmimem_jax.rl.trainer import (Learner, OptimizerConfig, TrainStepConfig,
                                    accumulated_grads, make_optimizer)
 
 __all__ = [
-    "Checkpointer", "GRPOLossConfig", "Learner", "MetricsWriter", "Objective",
-    "OptimizerConfig", "Restored", "SFTLossConfig", "TrainStepConfig",
+    "AGGREGATIONS", "aggregation_scale", "Checkpointer", "GRPOLossConfig", "Learner", "MetricsWriter", "Objective",
+    "OptimizerConfig", "Restored", "SFTLossConfig", "StopSignals", "TrainStepConfig",
     "accumulated_grads", "group_advantages", "grpo_loss", "k3_kl",
-    "load_model_weights", "make_optimizer", "mean_continuation_logprobs", "read_metrics", "recompute_logprobs", "rollout_batch",
+    "load_model_weights", "make_optimizer", "mean_continuation_logprobs",
+    "read_metrics", "recompute_logprobs", "rollout_batch",
     "sft_loss", "supervised_batch", "token_logprobs",
 ]

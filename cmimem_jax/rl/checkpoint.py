@@ -3,7 +3,9 @@ and an opaque JSON "loop state" (data position, curriculum, snapshot
 version) supplied by the caller.
 
 Saves are asynchronous (the step continues while files are written; the
-next save or `wait()` joins it) and keep the newest `keep`. Restore places
+next save or `wait()` joins it) and keep the newest `keep`, plus every
+step divisible by `keep_period` for checkpoint selection (App. I picks
+steps 20 and 50). Restore places
 every array onto the mesh with the shardings it is given. If the newest
 checkpoint cannot be read it is reported and the previous one is used.
 """
@@ -32,14 +34,28 @@ class Restored:
 
 class Checkpointer:
 
-  def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
+  def __init__(self, directory: str, keep: int = 3, async_save: bool = True,
+               keep_period: int = 0, read_only: bool = False):
+    """`keep_period` > 0: checkpoints of steps divisible by it are never
+    deleted (besides the newest `keep`). `read_only`: another run's
+    directory, only read (nothing created, saved or deleted)."""
     if keep < 1:
       raise ValueError("keep must be >= 1")
+    if keep_period < 0:
+      raise ValueError("keep_period must be >= 0")
     self.directory = os.path.abspath(directory)
     self.manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True,
+            max_to_keep=keep, keep_period=keep_period or None,
+            create=not read_only, read_only=read_only,
             enable_async_checkpointing=async_save))
+
+  @classmethod
+  def for_workdir(cls, workdir: str, section: Any) -> Checkpointer:
+    """`workdir/checkpoints` with a `checkpoint` config section's `keep`,
+    `keep_period` and `async_save`."""
+    return cls(os.path.join(workdir, "checkpoints"), section.keep,
+               section.async_save, section.get("keep_period", 0))
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
@@ -91,38 +107,44 @@ class Checkpointer:
                          f"(tried {skipped})") from error
     return None
 
-  def restore_params(self, params: Any) -> tuple[int, Any]:
-    """The parameters alone from the newest checkpoint (a warm start:
-    another run's weights, whatever its optimizer), placed like the
-    templates.
+  def restore_params(self, params: Any, step: int = 0) -> tuple[int, Any]:
+    """The parameters alone from checkpoint `step` (0: the newest; a warm
+    start or an evaluation: another run's weights, whatever its
+    optimizer), placed like the templates.
 
     Raises:
-      FileNotFoundError: if the directory holds no checkpoint.
+      FileNotFoundError: if the directory holds no checkpoint, or not
+        `step`.
     """
     self.wait()
     steps = self.steps()
     if not steps:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    if step and step not in steps:
+      raise FileNotFoundError(f"no checkpoint of step {step} in "
+                              f"{self.directory} (have {steps})")
+    step = step or steps[-1]
     to_abstract = lambda x: jax.ShapeDtypeStruct(  # noqa: E731
         x.shape, x.dtype, sharding=getattr(x, "sharding", None))
     target = {"params": jax.tree.map(to_abstract, params)}
-    out = self.manager.restore(steps[-1], args=ocp.args.Composite(
+    out = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(
             target, restore_args=ocp.checkpoint_utils.construct_restore_args(
                 target), partial_restore=True)))
-    return steps[-1], out["state"]["params"]
+    return step, out["state"]["params"]
 
   def close(self) -> None:
     self.manager.close()
 
 
-def load_model_weights(model: nnx.Module, workdir: str) -> int:
-  """Overwrites `model`'s parameters with the newest checkpoint under
-  `workdir/checkpoints` (a warm start from another run, whatever its
-  objective); returns that checkpoint's step."""
+def load_model_weights(model: nnx.Module, workdir: str, step: int = 0) -> int:
+  """Overwrites `model`'s parameters with checkpoint `step` (0: the
+  newest) under `workdir/checkpoints` (a warm start from another run,
+  whatever its objective, or a selected checkpoint); returns its step."""
   state = nnx.state(model, nnx.Param)
-  step, params = Checkpointer(os.path.join(workdir, "checkpoints")
-                              ).restore_params(nnx.to_pure_dict(state))
+  step, params = Checkpointer(os.path.join(workdir, "checkpoints"),
+                              read_only=True).restore_params(
+                                  nnx.to_pure_dict(state), step)
   nnx.replace_by_pure_dict(state, params)
   nnx.update(model, state)
   logging.info("model weights from %s (step %d)", workdir, step)

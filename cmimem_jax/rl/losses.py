@@ -4,10 +4,13 @@ response). Their config classes are the `TrainStepConfig.loss` of one
 shared train step: each names the batch arrays it reads and whether it
 needs the frozen reference model.
 
-Every statistic is returned as a *sum over tokens* divided by the global
-token count supplied by the caller, so summing the outputs of k
-micro-batches gives exactly the full-batch value (token-mean over the
-global batch, SPEC §5).
+Every statistic is a sum over tokens weighted by `token_scale`, the
+per-token share of the *global* batch (`aggregation_scale`, computed by the
+caller before micro-batching), so summing the outputs of k micro-batches
+gives exactly the full-batch value. Two aggregations (SPEC §5):
+"token_mean" (every completion token of the global batch weighs the same:
+verl's default, which MemBuilder's run uses) and "sequence_mean" (each
+sequence's tokens averaged, then the sequences: the GRPO paper's Eq.).
 """
 
 from __future__ import annotations
@@ -21,6 +24,26 @@ import jax.numpy as jnp
 Batch = dict[str, jax.Array]
 Stats = dict[str, jax.Array]
 
+AGGREGATIONS = ("token_mean", "sequence_mean")
+
+
+def aggregation_scale(loss_mask: jax.Array, aggregation: str) -> jax.Array:
+  """`[B, T]` weight of each loss token in the global batch's mean (sums to
+  1 over the tokens of `loss_mask` `[B, T]`; 0 elsewhere).
+
+  "token_mean": 1 / (tokens in the batch); "sequence_mean": 1 / (tokens in
+  the row · rows with any token).
+  """
+  mask = loss_mask.astype(jnp.float32)
+  if aggregation == "token_mean":
+    return mask / jnp.maximum(jnp.sum(mask), 1.0)
+  if aggregation == "sequence_mean":
+    lengths = jnp.sum(mask, axis=1, keepdims=True)
+    rows = jnp.maximum(jnp.sum(lengths > 0), 1).astype(jnp.float32)
+    return mask / (jnp.maximum(lengths, 1.0) * rows)
+  raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got "
+                   f"{aggregation!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class GRPOLossConfig:
@@ -29,6 +52,7 @@ class GRPOLossConfig:
   epsilon_low: float = 0.2   # ratio floor 1 - epsilon_low (A < 0 side).
   epsilon_high: float = 0.2  # ratio ceiling 1 + epsilon_high (A > 0 side).
   kl_beta: float = 0.02      # 0 skips the reference model entirely.
+  aggregation: str = "token_mean"  # One of AGGREGATIONS.
 
   # `[B, T]` arrays, `advantages` `[B]`.
   batch_keys: ClassVar[tuple[str, ...]] = (
@@ -38,19 +62,22 @@ class GRPOLossConfig:
   def __post_init__(self):
     if not 0 <= self.epsilon_low < 1 or self.epsilon_high < 0:
       raise ValueError("need 0 <= epsilon_low < 1 and epsilon_high >= 0")
-    if self.kl_beta < 0:
+    if not self.kl_beta >= 0:  # NaN fails too.
       raise ValueError("kl_beta must be >= 0")
+    if self.aggregation not in AGGREGATIONS:
+      raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got "
+                       f"{self.aggregation!r}")
 
   @property
   def uses_reference(self) -> bool:
     return self.kl_beta > 0
 
   def __call__(self, logprobs: jax.Array, entropy: jax.Array, batch: Batch,
-               num_tokens: jax.Array, ref_logprobs: jax.Array | None = None
+               ref_logprobs: jax.Array | None = None
                ) -> tuple[jax.Array, Stats]:
     return grpo_loss(logprobs, batch["old_logprobs"], batch["advantages"],
-                     batch["loss_mask"], batch["token_weights"], num_tokens,
-                     self, ref_logprobs=ref_logprobs, entropy=entropy)
+                     batch["token_scale"], batch["token_weights"], self,
+                     ref_logprobs=ref_logprobs, entropy=entropy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,25 +88,26 @@ class SFTLossConfig:
   batch_keys: ClassVar[tuple[str, ...]] = (
       "tokens", "mask", "loss_mask", "token_weights")
   uses_reference: ClassVar[bool] = False
+  aggregation: ClassVar[str] = "token_mean"
 
   def __call__(self, logprobs: jax.Array, entropy: jax.Array, batch: Batch,
-               num_tokens: jax.Array, ref_logprobs: jax.Array | None = None
+               ref_logprobs: jax.Array | None = None
                ) -> tuple[jax.Array, Stats]:
     del ref_logprobs
-    return sft_loss(logprobs, batch["loss_mask"], batch["token_weights"],
-                    num_tokens, entropy=entropy)
+    return sft_loss(logprobs, batch["token_scale"], batch["token_weights"],
+                    entropy=entropy)
 
 
 # What `TrainStepConfig.loss` may be.
 Objective = GRPOLossConfig | SFTLossConfig
 
 
-def _token_mean(loss_mask: jax.Array, num_tokens: jax.Array):
-  """Sum over masked tokens / the global token count."""
-  mask = loss_mask.astype(jnp.float32)
-  denom = jnp.maximum(num_tokens.astype(jnp.float32), 1.0)
-  # `where`, not `x * mask`: padding may hold values that overflow (inf*0).
-  return mask, lambda x: jnp.sum(jnp.where(mask > 0, x, 0.0)) / denom
+def _weighted_mean(token_scale: jax.Array):
+  """The batch mean under `token_scale` (`aggregation_scale`), and the loss
+  mask it implies."""
+  mask = (token_scale > 0).astype(jnp.float32)
+  # `where`, not `x * scale`: padding may hold values that overflow (inf*0).
+  return mask, lambda x: jnp.sum(jnp.where(mask > 0, x * token_scale, 0.0))
 
 
 def k3_kl(logprobs: jax.Array, ref_logprobs: jax.Array) -> jax.Array:
@@ -90,30 +118,29 @@ def k3_kl(logprobs: jax.Array, ref_logprobs: jax.Array) -> jax.Array:
 
 
 def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array,
-              advantages: jax.Array, loss_mask: jax.Array,
-              token_weights: jax.Array, num_tokens: jax.Array,
-              config: GRPOLossConfig,
+              advantages: jax.Array, token_scale: jax.Array,
+              token_weights: jax.Array, config: GRPOLossConfig,
               ref_logprobs: jax.Array | None = None,
               entropy: jax.Array | None = None
               ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Clipped surrogate + k3 KL, token-mean over the global batch.
+  """Clipped surrogate + k3 KL, averaged over the global batch.
 
   Args:
     logprobs: `[B, T]` current policy log-probs (differentiated).
     old_logprobs: `[B, T]` log-probs of the policy that sampled.
     advantages: `[B]` group advantages.
-    loss_mask: `[B, T]` 1 on completion tokens.
+    token_scale: `[B, T]` each completion token's share of the *global*
+      batch mean (`aggregation_scale` of the loss mask; 0 off it).
     token_weights: `[B, T]` per-token loss weights (attribution).
-    num_tokens: completion tokens in the *global* batch (scalar).
-    config: clip range and KL weight.
+    config: clip range, KL weight.
     ref_logprobs: `[B, T]` frozen reference log-probs (needed if β > 0).
     entropy: `[B, T]` optional, only reported.
 
   Returns:
-    `(loss, stats)`: stats are token sums / num_tokens (exact when summed
-    over micro-batches).
+    `(loss, stats)`: stats are `token_scale`-weighted sums (exact when
+    summed over micro-batches).
   """
-  mask, mean = _token_mean(loss_mask, num_tokens)
+  mask, mean = _weighted_mean(token_scale)
   adv = advantages[:, None].astype(jnp.float32)
   log_ratio = logprobs - jax.lax.stop_gradient(old_logprobs)
   # Masked-out positions may hold arbitrary values: keep exp() finite.
@@ -144,23 +171,22 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array,
   return loss, stats
 
 
-def sft_loss(logprobs: jax.Array, loss_mask: jax.Array,
-             token_weights: jax.Array, num_tokens: jax.Array,
-             entropy: jax.Array | None = None
+def sft_loss(logprobs: jax.Array, token_scale: jax.Array,
+             token_weights: jax.Array, entropy: jax.Array | None = None
              ) -> tuple[jax.Array, Stats]:
-  """Weighted NLL of the response tokens, token-mean over the global batch.
+  """Weighted NLL of the response tokens, averaged over the global batch.
 
   Args:
     logprobs: `[B, T]` log-probs of the target tokens (differentiated).
-    loss_mask: `[B, T]` 1 on response tokens.
+    token_scale: `[B, T]` each response token's share of the global batch
+      mean (`aggregation_scale`).
     token_weights: `[B, T]` per-token loss weights.
-    num_tokens: response tokens in the *global* batch (scalar).
     entropy: `[B, T]` optional, only reported.
 
   Returns:
-    `(loss, stats)` as `grpo_loss`'s (sums / num_tokens).
+    `(loss, stats)` as `grpo_loss`'s.
   """
-  _, mean = _token_mean(loss_mask, num_tokens)
+  _, mean = _weighted_mean(token_scale)
   loss = -mean(logprobs * token_weights)
   stats = {"loss": loss, "nll": mean(-jax.lax.stop_gradient(logprobs))}
   if entropy is not None:

@@ -49,19 +49,23 @@ class MetricsWriter:
       self._bar = tqdm(total=total_steps, desc="train", unit="step")
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
-    """Appends `{"step": step, **metrics}`; non-finite floats become null
-    in JSON (and are still visible there) rather than invalid JSON."""
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v)
-                 else v) for k, v in metrics.items()}
+    """Appends `{"step": step, **metrics}`. Non-finite floats (the loss of
+    a skipped update, say) are left out and named in `nonfinite`, so every
+    value in the file is a number and the file strict JSON."""
+    nonfinite = sorted(k for k, v in metrics.items()
+                       if isinstance(v, float) and not math.isfinite(v))
+    clean = {k: v for k, v in metrics.items() if k not in nonfinite}
+    if nonfinite:
+      clean["nonfinite"] = nonfinite
     self._file.write(json.dumps({"step": step, **clean}) + "\n")
     self._file.flush()
     if self._tb is not None:
-      for name, value in metrics.items():
+      for name, value in clean.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
           self._tb.add_scalar(name, value, step)
     if self._bar is not None:
       self._bar.update(1)
-      shown = {k: metrics[k] for k in ("loss", "reward_mean") if k in metrics}
+      shown = {k: clean[k] for k in ("loss", "reward_mean") if k in clean}
       self._bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()})
 
   def close(self) -> None:

@@ -31,7 +31,7 @@ from cmimem_jax.parallel.partition import (QWEN3_RULES, Rules,
                                            optimizer_shardings,
                                            param_shardings, place_batch)
 from cmimem_jax.rl.logprobs import token_logprobs
-from cmimem_jax.rl.losses import GRPOLossConfig, Objective
+from cmimem_jax.rl.losses import GRPOLossConfig, Objective, aggregation_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +102,10 @@ def accumulated_grads(graphdef: nnx.GraphDef, config: TrainStepConfig,
   `config.constraint_eos_id` is set."""
   k = config.micro_batches
   num_tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+  # Each token's share of the global batch's mean, fixed before the split
+  # so the micro-batch sums add up to the full-batch loss.
+  batch = dict(batch, token_scale=aggregation_scale(batch["loss_mask"],
+                                                    config.loss.aggregation))
   micro = {name: _micro(x, k, mesh) for name, x in batch.items()}
 
   def logprobs_of(p, mb):
@@ -119,7 +123,7 @@ def accumulated_grads(graphdef: nnx.GraphDef, config: TrainStepConfig,
     ref = None
     if ref_params is not None:
       ref = jax.lax.stop_gradient(logprobs_of(ref_params, mb)[0])
-    return config.loss(logprobs, entropy, mb, num_tokens, ref)
+    return config.loss(logprobs, entropy, mb, ref)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -145,13 +149,18 @@ def _train_step(graphdef: nnx.GraphDef, config: TrainStepConfig, mesh: Mesh,
                                    ref_params, start, min_budget)
   updates, new_opt_state = optimizer.update(grads, opt_state, params)
   grad_norm = optax.tree.norm(grads)
-  # A NaN / inf loss or gradient leaves params and optimizer state as they
-  # were (the step is counted as skipped), so it never reaches a checkpoint.
-  finite = jnp.isfinite(stats["loss"]) & jnp.isfinite(grad_norm)
+  new_params = optax.apply_updates(params, updates)
+  # A NaN / inf loss, gradient or updated parameter leaves params and
+  # optimizer state as they were (the step is counted as skipped), so a
+  # checkpoint never holds one.
+  params_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
+                                     for x in jax.tree.leaves(new_params)]))
+  finite = jnp.isfinite(stats["loss"]) & jnp.isfinite(grad_norm) & (
+      params_finite)
   keep_if_finite = functools.partial(jax.tree.map,
                                      lambda new, old: jnp.where(finite, new,
                                                                 old))
-  params = keep_if_finite(optax.apply_updates(params, updates), params)
+  params = keep_if_finite(new_params, params)
   opt_state = keep_if_finite(new_opt_state, opt_state)
   stats = dict(stats, grad_norm=grad_norm,
                update_norm=optax.tree.norm(updates),
@@ -185,16 +194,18 @@ class Learner:
       temperature.
     mesh: where everything lives (`parallel.make_mesh`).
     rules: partition rules for the model's parameters.
-    reference: the frozen KL reference (default: a copy of `model`'s
-      initial weights); unused and never run when the objective needs
-      none (`kl_beta == 0`, SFT).
+    reference: the frozen reference p_ref (default: a copy of `model`'s
+      initial weights): the KL term's, and App. E's scorer; not kept when
+      the objective needs none (`kl_beta == 0`, SFT) unless
+      `keep_reference`.
     min_budget: the sampler constraint's table (`TokenConstraint`, widened
       to the model's vocabulary) when `config.constraint_eos_id` is set.
   """
 
   def __init__(self, model: Qwen3, config: TrainStepConfig, mesh: Mesh,
                rules: Rules = QWEN3_RULES, reference: Qwen3 | None = None,
-               min_budget: np.ndarray | None = None):
+               min_budget: np.ndarray | None = None,
+               keep_reference: bool = False):
     self.config, self.mesh = config, mesh
     self.graphdef, state = nnx.split(model, nnx.Param)
     abstract = jax.eval_shape(lambda: nnx.to_pure_dict(state))
@@ -207,7 +218,7 @@ class Learner:
     self.opt_state = jax.jit(self.optimizer.init,
                              out_shardings=self.opt_shardings)(self.params)
     self.ref_params = None
-    if config.loss.uses_reference:
+    if config.loss.uses_reference or keep_reference:
       source = self.params if reference is None else nnx.to_pure_dict(
           nnx.state(reference, nnx.Param))
       # A real copy: the policy's buffers are donated every step.
@@ -221,12 +232,20 @@ class Learner:
     self.skipped_updates = 0  # Non-finite steps not applied (this run).
     self._step = jit_train_step(self.graphdef, config, mesh, self.optimizer,
                                 self.param_shardings, self.opt_shardings,
-                                with_reference=self.ref_params is not None)
+                                with_reference=config.loss.uses_reference)
 
   @property
   def model(self) -> Qwen3:
     """The current policy as an NNX module (shares the sharded arrays)."""
     return nnx.merge(self.graphdef, self.params)
+
+  @property
+  def reference_model(self) -> Qwen3:
+    """The frozen reference p_ref as an NNX module (never updated)."""
+    if self.ref_params is None:
+      raise ValueError("this learner keeps no reference (kl_beta == 0 and "
+                       "keep_reference=False)")
+    return nnx.merge(self.graphdef, self.ref_params)
 
   def check_batch(self, batch: dict[str, np.ndarray]) -> None:
     missing = [k for k in self.config.batch_keys if k not in batch]
@@ -253,7 +272,8 @@ class Learner:
     # it (`models.attention`).
     with jax.set_mesh(self.mesh):
       self.params, self.opt_state, stats = self._step(
-          first_column, self.params, self.opt_state, placed, self.ref_params,
+          first_column, self.params, self.opt_state, placed,
+          self.ref_params if self.config.loss.uses_reference else None,
           self.min_budget)
     metrics = {k: float(v) for k, v in jax.device_get(stats).items()}
     if metrics["update_skipped"]:

@@ -26,11 +26,14 @@ class GenerationEngine(Protocol):
   def generate(self, prompts: Sequence[Sequence[int]], key: jax.Array,
                temperature: float | Sequence[float],
                top_p: float | Sequence[float], max_new_tokens: int,
-               row_budgets: Sequence[int] | None = None) -> SampleOutput:
+               row_budgets: Sequence[int] | None = None,
+               constrained: bool = True) -> SampleOutput:
     """Samples one completion per prompt (`temperature` 0: greedy).
 
     `temperature` / `top_p`: one value or one per row. `row_budgets`: each
-    row's own token limit (<= `max_new_tokens`, the output width)."""
+    row's own token limit (<= `max_new_tokens`, the output width).
+    `constrained=False`: free text even where the engine decodes under a
+    grammar (the policy's Listing 5 / 8 / 9 calls are not DSL)."""
     ...
 
   def set_model(self, model: Qwen3) -> None:

@@ -11,7 +11,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from cmimem_jax.client import CallResult, Messages
+from cmimem_jax.client import CallResult, ChatModel, Messages
 from cmimem_jax.models.qwen3 import (Qwen3, Qwen3Config, load_gguf, load_hf,
                                      preset)
 from cmimem_jax.models.qwen3.params import (load_gguf_tokenizer,
@@ -81,13 +81,17 @@ class ChatPolicy:
     max_new_tokens / batch_size / seed: what `chat_many` (the `ChatModel`
       interface: greedy answers) generates, conversations per engine call,
       and its sampling key.
+    prompt_limit_name: the setting `max_prompt_tokens` comes from (named
+      in the error for a longer prompt).
   """
 
   def __init__(self, engine: GenerationEngine, tokenizer: Any,
                max_prompt_tokens: int, max_new_tokens: int = 256,
-               batch_size: int = 8, seed: int = 0):
+               batch_size: int = 8, seed: int = 0,
+               prompt_limit_name: str = "rollout.max_prompt_tokens"):
     self.engine, self.tokenizer = engine, tokenizer
     self.max_prompt_tokens = max_prompt_tokens
+    self.prompt_limit_name = prompt_limit_name
     self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
     self.eos_ids, self.pad_id = special_ids(tokenizer)
     self._key = jax.random.key(seed)
@@ -118,8 +122,8 @@ class ChatPolicy:
     ids = encode_chat(self.tokenizer, messages)
     if len(ids) > self.max_prompt_tokens:
       raise ValueError(
-          f"policy prompt of {len(ids)} tokens exceeds "
-          f"rollout.max_prompt_tokens={self.max_prompt_tokens}")
+          f"prompt of {len(ids)} tokens exceeds "
+          f"{self.prompt_limit_name}={self.max_prompt_tokens}")
     return list(ids)
 
   def decode(self, tokens: Sequence[int]) -> str:
@@ -135,10 +139,11 @@ class ChatPolicy:
   def generate(self, prompts: Sequence[list[int]], key: jax.Array,
                temperature: float | Sequence[float],
                top_p: float | Sequence[float], max_new_tokens: int,
-               row_budgets: Sequence[int] | None = None) -> SampleOutput:
+               row_budgets: Sequence[int] | None = None,
+               constrained: bool = True) -> SampleOutput:
     """`GenerationEngine.generate` on this policy's engine."""
     return self.engine.generate(prompts, key, temperature, top_p,
-                                max_new_tokens, row_budgets)
+                                max_new_tokens, row_budgets, constrained)
 
   def respond(self, conversations: Sequence[Messages], max_new_tokens: int
               ) -> list[str]:
@@ -149,14 +154,37 @@ class ChatPolicy:
     return [self.decode(self.completion_tokens(out, i))
             for i in range(len(conversations))]
 
-  def chat_many(self, conversations: Sequence[Messages]) -> list[CallResult]:
-    """`ChatModel`: greedy answers, `batch_size` conversations per call."""
+  def chat_many(self, conversations: Sequence[Messages],
+                max_tokens: int | None = None, constrained: bool = True
+                ) -> list[CallResult]:
+    """`ChatModel`: greedy answers of at most `max_tokens` tokens (default
+    `max_new_tokens`), `batch_size` conversations per call; under the
+    engine's grammar unless `constrained=False`."""
     results = []
     for start in range(0, len(conversations), self.batch_size):
       batch = [self.encode(m) for m in
                conversations[start:start + self.batch_size]]
       self._key, key = jax.random.split(self._key)
-      out = self.generate(batch, key, 0.0, 1.0, self.max_new_tokens)
+      out = self.generate(batch, key, 0.0, 1.0,
+                          max_tokens or self.max_new_tokens,
+                          constrained=constrained)
       results += [CallResult(self.decode(tokens))
                   for tokens in out.completions()]
     return results
+
+  def free_text(self) -> ChatModel:
+    """This policy as a `ChatModel` for prompts that are not the memory
+    DSL (Listing 5 compression, Listing 9 merge summaries): the current
+    weights, never the DSL grammar, `max_tokens` per call."""
+    return _FreeText(self)
+
+
+class _FreeText:
+  """`ChatPolicy.free_text`."""
+
+  def __init__(self, policy: ChatPolicy):
+    self.policy = policy
+
+  def chat_many(self, conversations: Sequence[Messages],
+                max_tokens: int | None = None) -> list[CallResult]:
+    return self.policy.chat_many(conversations, max_tokens, constrained=False)

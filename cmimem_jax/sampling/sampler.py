@@ -301,13 +301,16 @@ class Sampler:
   def generate(self, prompts: Sequence[Sequence[int]], key: jax.Array,
                temperature: float | Sequence[float],
                top_p: float | Sequence[float], max_new_tokens: int,
-               row_budgets: Sequence[int] | None = None) -> SampleOutput:
+               row_budgets: Sequence[int] | None = None,
+               constrained: bool = True) -> SampleOutput:
     """`GenerationEngine.generate`: this sampler's EOS / pad ids with the
     given sampling parameters, one value for every row or one per row.
     `row_budgets`: each row stops after its own number of tokens (at most
-    `max_new_tokens`, which alone shapes the compiled program)."""
+    `max_new_tokens`, which alone shapes the compiled program).
+    `constrained=False`: ignore the sampler's `TokenConstraint`."""
     return self._sample(prompts, key, temperature, top_p, dataclasses.replace(
-        self.config, max_new_tokens=max_new_tokens), row_budgets)
+        self.config, max_new_tokens=max_new_tokens), row_budgets,
+                        constrained)
 
   def __call__(self, prompts: Sequence[Sequence[int]], key: jax.Array,
                config: SamplingConfig | None = None) -> SampleOutput:
@@ -318,7 +321,8 @@ class Sampler:
   def _sample(self, prompts: Sequence[Sequence[int]], key: jax.Array,
               temperature: float | Sequence[float],
               top_p: float | Sequence[float], config: SamplingConfig,
-              row_budgets: Sequence[int] | None = None) -> SampleOutput:
+              row_budgets: Sequence[int] | None = None,
+              constrained: bool = True) -> SampleOutput:
     rows = len(prompts)
     temperature, top_p = (np.broadcast_to(np.asarray(v, np.float32), (rows,))
                           for v in (temperature, top_p))
@@ -329,8 +333,8 @@ class Sampler:
       raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
     if not ((budgets >= 1) & (budgets <= config.max_new_tokens)).all():
       raise ValueError(f"row budgets must be in [1, {config.max_new_tokens}]")
-    if self.constraint is not None and (
-        budgets.min() < self.constraint.shortest):
+    constraint = self._constraint_arrays if constrained else None
+    if constraint is not None and budgets.min() < self.constraint.shortest:
       raise ValueError(f"a token budget of {budgets.min()} is shorter "
                        f"than the constraint's shortest completion "
                        f"({self.constraint.shortest} tokens)")
@@ -351,7 +355,7 @@ class Sampler:
     outs = [self._wave(prompts[start:start + wave], keys[i],
                        temperature[start:start + wave],
                        top_p[start:start + wave], budgets[start:start + wave],
-                       config, length, group)
+                       config, length, group, constraint)
             for i, start in enumerate(range(0, rows, wave))]
     if len(outs) == 1:
       return outs[0]
@@ -360,9 +364,11 @@ class Sampler:
 
   def _wave(self, prompts: Sequence[Sequence[int]], key: jax.Array,
             temperature: np.ndarray, top_p: np.ndarray, budgets: np.ndarray,
-            config: SamplingConfig, length: int, group: int) -> SampleOutput:
+            config: SamplingConfig, length: int, group: int,
+            constraint: tuple[jax.Array, ...] | None) -> SampleOutput:
     """One compiled generation over `prompts` (groups of `group` identical
-    prompts), left-padded to `length`."""
+    prompts), left-padded to `length`, under `constraint`'s tables (None:
+    free)."""
     rows = len(prompts)
     tokens, mask = left_pad(prompts[::group], length, config.pad_id)
     shape = (len(tokens), length, rows, config.max_new_tokens)
@@ -377,7 +383,7 @@ class Sampler:
       out_tokens, out_logprobs, lengths, *caches = _generate(
           self.model, place(tokens), place(mask), *caches, self._place(key),
           place(temperature), place(top_p), place(budgets), self.stop_table,
-          self._constraint_arrays, max_new_tokens=config.max_new_tokens,
+          constraint, max_new_tokens=config.max_new_tokens,
           eos_ids=tuple(config.eos_ids), pad_id=config.pad_id)
     self._caches[shape] = tuple(caches)
     while len(self._caches) > self.max_cached_shapes:

@@ -84,7 +84,9 @@ class VLLMEngine:
   def generate(self, prompts: Sequence[list[int]], key: jax.Array,
                temperature: float | Sequence[float],
                top_p: float | Sequence[float], max_new_tokens: int,
-               row_budgets: Sequence[int] | None = None) -> SampleOutput:
+               row_budgets: Sequence[int] | None = None,
+               constrained: bool = True) -> SampleOutput:
+    del constrained  # vLLM rollouts are never grammar-constrained here.
     seed = int(jax.random.randint(key, (), 0, 2 ** 31 - 1))
     rows = len(prompts)
     temperature, top_p = (np.broadcast_to(np.asarray(v, float), (rows,))

@@ -6,8 +6,11 @@ only route without the API key). Every limit answers with a 4xx and a JSON
 error, never by hanging or allocating without bound: bodies over
 `max_request_bytes` get 413 (from the Content-Length header, before
 reading), a body not received within `body_timeout_s` 408, more than
-`max_pending` chat requests in flight 429 with `Retry-After`, JSON nested
-too deeply 400, a missing or wrong key 401 (compared in constant time).
+`max_pending` chat requests in flight 429 with `Retry-After`, more than
+`max_embedding_inputs` embedding inputs 413 (longer inputs than
+`max_embedding_chars` 400), JSON nested too deeply 400, a missing or wrong
+key 401 (compared in constant time), another model's name 404
+`model_not_found`, any request before the programs are compiled 503.
 Responses to requests whose body may be left unread close the connection.
 """
 
@@ -19,6 +22,7 @@ import dataclasses
 import functools
 import hmac
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -51,6 +55,12 @@ class Limits:
   max_request_bytes: int = 1 << 20
   body_timeout_s: float = 10.0
   max_pending: int = 256
+  # /v1/embeddings: inputs per request (413 past it), characters per
+  # input (400), and inputs encoded per turn of the encode thread (other
+  # requests get their turn in between).
+  max_embedding_inputs: int = 256
+  max_embedding_chars: int = 32_768
+  embedding_chunk: int = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +98,8 @@ def parse_chat_request(body: Any, max_tokens_limit: int) -> ChatRequest:
                          "assistant) and string content")
   if body.get("n", 1) != 1:
     raise RequestError("only n=1 is supported")
+  if not isinstance(body.get("stream", False), bool):
+    raise RequestError("'stream' must be true or false")
   return ChatRequest(
       [{"role": m["role"], "content": m["content"]} for m in messages],
       _number(body, "temperature", 0.0, 0.0, 2.0),
@@ -97,13 +109,38 @@ def parse_chat_request(body: Any, max_tokens_limit: int) -> ChatRequest:
       bool(body.get("stream", False)))
 
 
-def _error(status: int, message: str, headers: dict[str, str] | None = None
-           ) -> JSONResponse:
+def _error(status: int, message: str, headers: dict[str, str] | None = None,
+           code: str | int | None = None) -> JSONResponse:
   headers = dict(headers or {})
   if status in (401, 408, 413):  # The body may be unread: do not reuse.
     headers["Connection"] = "close"
-  return JSONResponse({"error": {"message": message, "code": status}},
+  return JSONResponse({"error": {"message": message,
+                                 "code": status if code is None else code}},
                       status, headers=headers)
+
+
+class ModelNotFound(RequestError):
+  """A request for a model this server does not serve (OpenAI: 404
+  `model_not_found`)."""
+
+  def __init__(self, asked: str, served: str):
+    super().__init__(f"the model {asked!r} does not exist; this server "
+                     f"serves {served!r}", 404)
+
+
+def check_model(body: Any, served: str) -> None:
+  """A request naming another model than `served` is refused (an absent or
+  empty name means the served one)."""
+  asked = body.get("model") if isinstance(body, dict) else None
+  if asked not in (None, "", served):
+    raise ModelNotFound(str(asked), served)
+
+
+def bearer_token(header: str) -> str | None:
+  """The token of an `Authorization: Bearer <token>` header (the scheme is
+  case-insensitive, RFC 9110)."""
+  scheme, _, token = header.strip().partition(" ")
+  return token.strip() if scheme.lower() == "bearer" else None
 
 
 async def read_json(request: Request, limits: Limits) -> Any:
@@ -157,26 +194,32 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def make_app(batcher: ChatBatcher | None, encoder: Encoder | None,
-             model_name: str, api_key: str | None, limits: Limits
-             ) -> Starlette:
+             model_name: str, api_key: str | None, limits: Limits,
+             ready: threading.Event | None = None) -> Starlette:
   """The ASGI app. `api_key`: required as `Authorization: Bearer <key>` on
-  every route but /health (None: no key)."""
+  every route but /health (None: no key). `ready`: until it is set (the
+  server compiling its programs), /health and chat answer 503."""
   # Host-side work off the event loop, one thread each: the tokenizer's
   # chat template and the encoder (which is not thread-safe).
   tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, "tokenize")
   encode_pool = concurrent.futures.ThreadPoolExecutor(1, "encode")
-  expected = f"Bearer {api_key}".encode() if api_key else None
+  expected = api_key.encode() if api_key else None
+  if ready is None:
+    ready = threading.Event()
+    ready.set()
   in_flight = 0
 
   def guarded(handler: Handler, authenticate: bool = True) -> Handler:
     @functools.wraps(handler)
     async def wrapped(request: Request) -> Response:
-      given = request.headers.get("authorization", "").encode()
-      if authenticate and expected and not hmac.compare_digest(given,
-                                                               expected):
+      token = bearer_token(request.headers.get("authorization", "")) or ""
+      if authenticate and expected and not hmac.compare_digest(
+          token.encode(), expected):
         return _error(401, "missing or wrong API key")
       try:
         return await handler(request)
+      except ModelNotFound as e:
+        return _error(e.status, str(e), code="model_not_found")
       except RequestError as e:
         return _error(e.status, str(e), e.headers)
       except ValueError as e:  # E.g. a prompt over the length limit.
@@ -192,8 +235,12 @@ def make_app(batcher: ChatBatcher | None, encoder: Encoder | None,
 
   async def chat(request: Request) -> Response:
     nonlocal in_flight
-    parsed = parse_chat_request(await read_json(request, limits),
-                                limits.max_new_tokens)
+    body = await read_json(request, limits)
+    check_model(body, model_name)
+    parsed = parse_chat_request(body, limits.max_new_tokens)
+    if not ready.is_set():
+      raise RequestError("the server is compiling its programs; retry "
+                         "shortly", 503, {"Retry-After": "5"})
     if in_flight >= limits.max_pending:
       raise RequestError(f"{in_flight} chat requests pending (serve."
                          f"max_pending); retry later", 429,
@@ -225,14 +272,31 @@ def make_app(batcher: ChatBatcher | None, encoder: Encoder | None,
     body = await read_json(request, limits)
     if not isinstance(body, dict):
       raise RequestError("request body must be a JSON object")
+    check_model(body, model_name)
     texts = body.get("input")
     texts = [texts] if isinstance(texts, str) else texts
-    if (not isinstance(texts, list) or not texts
-        or not all(isinstance(t, str) for t in texts)):
+    if not isinstance(texts, list) or not texts:
       raise RequestError("'input' must be a string or a non-empty list of "
                          "strings")
+    if len(texts) > limits.max_embedding_inputs:
+      raise RequestError(f"{len(texts)} inputs exceed the limit of "
+                         f"{limits.max_embedding_inputs} per request "
+                         "(serve.max_embedding_inputs)", 413)
+    if not all(isinstance(t, str) for t in texts):
+      raise RequestError("'input' must be a string or a non-empty list of "
+                         "strings")
+    longest = max(len(t) for t in texts)
+    if longest > limits.max_embedding_chars:
+      raise RequestError(f"an input of {longest} characters exceeds the "
+                         f"limit of {limits.max_embedding_chars} "
+                         "(serve.max_embedding_chars)")
     kind = "query" if body.get("input_type") == "query" else "document"
-    vectors = await in_thread(encode_pool, encoder.encode, texts, kind=kind)
+    # One chunk per turn of the encode thread: a large request waits its
+    # turn behind, and lets through, the other requests' chunks.
+    step = max(1, limits.embedding_chunk)
+    vectors = [v for first in range(0, len(texts), step)
+               for v in await in_thread(encode_pool, encoder.encode,
+                                        texts[first:first + step], kind=kind)]
     return JSONResponse({"object": "list", "model": model_name, "data": [
         {"object": "embedding", "index": i, "embedding": v.tolist()}
         for i, v in enumerate(vectors)],
@@ -245,6 +309,9 @@ def make_app(batcher: ChatBatcher | None, encoder: Encoder | None,
 
   async def health(request: Request) -> Response:
     del request
+    if not ready.is_set():
+      return JSONResponse({"status": "warming_up"}, 503,
+                          headers={"Retry-After": "5"})
     return JSONResponse({"status": "ok"})
 
   async def http_error(request: Request, exc: Exception) -> Response:

@@ -64,6 +64,7 @@ class ChatBatcher:
     self._queue: queue.Queue[_Request | None] = queue.Queue()
     self._key = jax.random.key(seed)
     self.batches: list[int] = []  # Requests served by each generate call.
+    self._closing = False
     self._thread = threading.Thread(target=self._loop, daemon=True,
                                     name="chat-batcher")
     self._thread.start()
@@ -72,6 +73,9 @@ class ChatBatcher:
              max_tokens: int) -> concurrent.futures.Future:
     """Queues an encoded prompt; the future resolves to a `Completion`."""
     future: concurrent.futures.Future = concurrent.futures.Future()
+    if self._closing:
+      future.set_exception(RuntimeError("the server is shutting down"))
+      return future
     self._queue.put(_Request(prompt, temperature, top_p, max_tokens, future))
     return future
 
@@ -84,10 +88,23 @@ class ChatBatcher:
                      [0.0] * size, [1.0] * size, [1] * size)
       size *= 2
 
-  def close(self) -> None:
-    """Stops the worker thread after the requests already queued."""
+  def close(self, wait: bool = True) -> None:
+    """Stops the worker thread after the requests already queued
+    (`wait=False`: at once; queued requests fail, a generate call in
+    progress finishes on its own, daemon, thread)."""
+    if not wait:
+      self._closing = True
+      while True:
+        try:
+          item = self._queue.get_nowait()
+        except queue.Empty:
+          break
+        if item is not None:
+          item.future.set_exception(RuntimeError("the server is shutting "
+                                                 "down"))
     self._queue.put(None)
-    self._thread.join()
+    if wait:
+      self._thread.join()
 
   def _loop(self) -> None:
     while (first := self._queue.get()) is not None:

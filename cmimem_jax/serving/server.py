@@ -84,31 +84,49 @@ class Server:
     serve = config.serve
     api_key = api_key_from_env(serve.api_key_env)
     self.batcher = None
+    self.warm_up_prompt_tokens = tuple(serve.warm_up_prompt_tokens)
+    # Set once every warm-up program is compiled: until then /health and
+    # chat requests answer 503 (a client never waits on a compile).
+    self.ready = threading.Event()
     if serve.chat:
       tokenizer = load_tokenizer(config.policy.tokenizer)
       # Requests are unrelated rows: no prompt sharing, so the compiled
       # programs depend on the batch size alone (warm-up included).
       policy = ChatPolicy.jax(load_policy(config.policy, len(tokenizer)),
                               tokenizer, serve.max_prompt_tokens,
-                              tuple(serve.buckets), share_prompts=False)
+                              tuple(serve.buckets), share_prompts=False,
+                              prompt_limit_name="serve.max_prompt_tokens")
       self.batcher = ChatBatcher(policy, serve.max_new_tokens,
                                  serve.max_batch,
                                  serve.batch_wait_ms / 1000.0, config.seed)
-      for prompt_tokens in serve.warm_up_prompt_tokens:
-        self.batcher.warm_up(prompt_tokens)
     self.encoder = make_encoder(config.encoder) if serve.embeddings else None
     self.app = make_app(self.batcher, self.encoder, serve.model_name,
-                        api_key, Limits(serve.max_new_tokens,
-                                        serve.max_request_bytes,
-                                        serve.body_timeout_s,
-                                        serve.max_pending))
+                        api_key, Limits(
+                            serve.max_new_tokens, serve.max_request_bytes,
+                            serve.body_timeout_s, serve.max_pending,
+                            serve.max_embedding_inputs,
+                            serve.max_embedding_chars),
+                        self.ready)
     # Bound here, so port 0 has its real number before serving starts.
     self.socket = socket.create_server((host, port), backlog=1024)
     self._uvicorn = uvicorn.Server(uvicorn.Config(
         self.app, http=_IdleClosingH11, lifespan="off", log_level="warning",
         timeout_keep_alive=serve.idle_timeout_s,
-        limit_concurrency=serve.max_connections, backlog=1024))
+        limit_concurrency=serve.max_connections, backlog=1024,
+        # On SIGTERM / Ctrl-C: requests in flight get this long, then the
+        # server stops (a generate call cannot be interrupted).
+        timeout_graceful_shutdown=serve.shutdown_timeout_s))
     self._thread: threading.Thread | None = None
+    self._warm_up_thread = threading.Thread(target=self._warm_up, daemon=True,
+                                            name="warm-up")
+
+  def _warm_up(self) -> None:
+    try:
+      if self.batcher is not None:
+        for prompt_tokens in self.warm_up_prompt_tokens:
+          self.batcher.warm_up(prompt_tokens)
+    finally:
+      self.ready.set()
 
   @property
   def base_url(self) -> str:
@@ -116,20 +134,26 @@ class Server:
     return f"http://{host}:{port}/v1"
 
   def serve_forever(self) -> None:
-    """Serves in this thread until interrupted (Ctrl-C / SIGTERM)."""
+    """Serves in this thread until interrupted (Ctrl-C / SIGTERM): then
+    requests in flight get `serve.shutdown_timeout_s` to finish, queued
+    ones are refused, and it returns without waiting for a generate call
+    still running."""
+    self._warm_up_thread.start()
     try:
       self._uvicorn.run(sockets=[self.socket])
     finally:
-      self.close()
+      self.close(wait=False)
 
-  def close(self) -> None:
-    """Stops the batcher and the host-side worker threads."""
+  def close(self, wait: bool = True) -> None:
+    """Stops the batcher and the host-side worker threads (`wait=False`:
+    without waiting for work in progress; queued requests fail)."""
     if self.batcher is not None:
-      self.batcher.close()
+      self.batcher.close(wait)
     for pool in self.app.state.pools:
-      pool.shutdown()
+      pool.shutdown(wait=wait, cancel_futures=True)
 
   def __enter__(self) -> Server:
+    self._warm_up_thread.start()
     self._thread = threading.Thread(
         target=self._uvicorn.run, kwargs={"sockets": [self.socket]},
         daemon=True, name="uvicorn")

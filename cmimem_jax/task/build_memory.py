@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 from cmimem_jax.cmi import RewardComputer, RewardConfig, RolloutInput
 from cmimem_jax.config import ConfigError, qa_chunk_budget, validate_config
-from cmimem_jax.data import Dialogue, load_configured, path_under
+from cmimem_jax.data import Dialogue, WorkdirLock, load_configured, path_under
 from cmimem_jax.encoders import Encoder, make_encoder
 from cmimem_jax.memory import MemoryBank, lookup_chunks, parse, render
 from cmimem_jax.memory.annotations import locomo_annotation_operations
@@ -69,7 +69,8 @@ def build_bank(dialogue: Dialogue, encoder: Encoder, config,
   bank, stats, steps = run_policy(dialogue, encoder,
                                   POLICIES[config.policy](dialogue),
                                   config.memory, on_step=show)
-  rollouts = [RolloutInput(s.bank_before, s.session.format(), s.response)
+  rollouts = [RolloutInput(s.bank_before, s.session.format(), s.response,
+                           user_turns=s.session.user_turns())
               for s in steps]
   return bank, stats, rollouts
 
@@ -128,6 +129,8 @@ def run(config, workdir: str | None) -> dict[str, dict]:
     if config.memory[key] != "none":
       raise ConfigError(f"memory.{key}={config.memory[key]!r}: build_memory "
                         "runs no chat model; use 'none'")
+  if workdir:
+    WorkdirLock(workdir, "build_memory").acquire()
   encoder = make_encoder(config.encoder)
   dialogues = load_configured(config.dataset, "build_memory")
   summary = {}

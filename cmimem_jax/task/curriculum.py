@@ -3,25 +3,30 @@
 Each training session gets `d = w_s·t + w_c·|C_t| + w_q·|Q_t|` (t: session
 index, |C_t|: its candidate memory fragments — `candidate_fragments`,
 known before any policy runs, |Q_t|: its QA pairs). Sessions are split
-into tiers by difficulty percentile and sorted ascending within each tier;
-every batch draws from every tier.
+into tiers by difficulty percentile and sorted ascending within each tier.
 
-Difficulty rises across the whole run, not per epoch (§3.4: "the overall
-training difficulty increases progressively across epochs"): over the
-planned `epochs × steps_per_epoch` steps each tier is walked once in
-ascending order, every session taking its `epochs` visits on consecutive
-steps (as PPO epochs reuse a batch), so no step falls back to easier
-sessions. The batch of step s is a pure function of s and the plan:
-resuming needs only s, and `rl.max_steps` cuts the plan without changing it.
+An epoch is one pass over every session, as MemBuilder's verl run makes
+5 passes over its sorted data: each pass walks every tier again in
+ascending order, the tiers interleaved (the session of rank r in a tier
+of n_i comes at fractional position (r + ½) / n_i), so every batch draws
+from every tier and difficulty rises within each pass. The passes form
+one stream cut into batches of `batch_size` (a batch may straddle two
+passes), so no session is left out or doubled in a pass, and a session
+never appears in two consecutive batches when there are at least twice
+as many sessions as a batch holds (with fewer, no order can avoid it).
+The batch of step s is a pure function of s: resuming needs only s, and
+`rl.max_steps` cuts the plan without changing it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 
 import numpy as np
+
+# Re-exported: Eq. 14's |C_t| is part of the curriculum's API.
+from cmimem_jax.data.fragments import candidate_fragments  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,18 +34,6 @@ class SessionRef:
   dialogue: int     # Index into the training dialogues.
   session: int      # Session index t within the dialogue.
   difficulty: float
-
-
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
-# Fewer words carry no fact worth a memory ("ok", "thanks a lot!").
-MIN_FRAGMENT_WORDS = 4
-
-
-def candidate_fragments(turn_texts: Sequence[str]) -> int:
-  """|C_t| of Eq. 14: the session's sentences of at least
-  `MIN_FRAGMENT_WORDS` words, each a candidate memory fragment."""
-  return sum(len(sentence.split()) >= MIN_FRAGMENT_WORDS
-             for text in turn_texts for sentence in _SENTENCE_END.split(text))
 
 
 def difficulty(session_index: int, num_candidates: int, num_questions: int,
@@ -53,7 +46,8 @@ def difficulty(session_index: int, num_candidates: int, num_questions: int,
 
 
 class Curriculum:
-  """Batches of `batch_size` sessions drawn from `tiers` difficulty tiers."""
+  """Batches of `batch_size` sessions drawn from `tiers` difficulty tiers,
+  `epochs` passes over every session."""
 
   def __init__(self, sessions: Sequence[SessionRef], batch_size: int,
                tiers: int = 3, epochs: int = 1):
@@ -64,6 +58,9 @@ class Curriculum:
                        f"batch_size={batch_size}")
     if len(sessions) < tiers:
       raise ValueError(f"{len(sessions)} sessions cannot fill {tiers} tiers")
+    if len(sessions) < batch_size:
+      raise ValueError(f"{len(sessions)} sessions cannot fill a batch of "
+                       f"{batch_size} distinct sessions")
     if epochs < 1:
       raise ValueError(f"the curriculum plans >= 1 epoch, got {epochs}")
     ordered = sorted(sessions, key=lambda s: (s.difficulty, s.dialogue,
@@ -71,38 +68,33 @@ class Curriculum:
     # Percentile split of the sorted list: tier sizes differ by at most 1.
     self.tiers = [list(t) for t in np.array_split(np.array(
         ordered, dtype=object), tiers)]
+    # One pass: every tier ascending, interleaved by fractional rank.
+    self.order = [s for _, _, s in sorted(
+        ((rank + 0.5) / len(tier), i, session)
+        for i, tier in enumerate(self.tiers)
+        for rank, session in enumerate(tier))]
     self.batch_size = batch_size
-    # Each batch takes quota[i] sessions from tier i (sum = batch_size).
-    base, extra = divmod(batch_size, tiers)
-    self.quota = [base + (i < extra) for i in range(tiers)]
     self.num_sessions = len(ordered)
     self.epochs = epochs
 
   @property
-  def steps_per_epoch(self) -> int:
-    return -(-self.num_sessions // self.batch_size)
+  def steps_per_epoch(self) -> float:
+    """Batches per pass (fractional when a batch straddles two passes)."""
+    return self.num_sessions / self.batch_size
 
   def epoch(self, step: int) -> int:
-    return step // self.steps_per_epoch
+    """The pass the first session of step `step`'s batch belongs to."""
+    return step * self.batch_size // self.num_sessions
 
   @property
   def planned_steps(self) -> int:
-    return self.epochs * self.steps_per_epoch
+    """Steps that make `epochs` whole passes (the last batch may run into
+    a further pass)."""
+    return -(-self.epochs * self.num_sessions // self.batch_size)
 
   def batch(self, step: int) -> list[SessionRef]:
-    """The sessions of global step `step`.
-
-    Pick j of tier i at step s is the session of rank
-    `(j·T + s)·n_i / (q_i·T)` (T planned steps, n_i sessions, q_i picks per
-    step): the q_i picks come from disjoint ascending segments of the tier
-    (never a session twice in one batch while n_i >= q_i), each segment
-    walked once over the plan. Steps past the plan start it again.
-    """
-    plan = self.planned_steps
-    position = step % plan
-    out = []
-    for tier, quota in zip(self.tiers, self.quota):
-      span = quota * plan
-      out.extend(tier[(j * plan + position) * len(tier) // span]
-                 for j in range(quota))
-    return out
+    """The sessions of global step `step`: stream positions
+    `step·B .. step·B + B - 1` of the passes laid end to end."""
+    first = step * self.batch_size
+    return [self.order[(first + j) % self.num_sessions]
+            for j in range(self.batch_size)]

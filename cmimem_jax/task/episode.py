@@ -91,7 +91,8 @@ def score_rollouts(episodes: Sequence[Episode], texts: Sequence[str],
       qa_reward, counts = qa(after, episode)
     parsed.append(response)
     rollouts.append(RolloutInput(episode.bank, episode.session.format(),
-                                 response, qa_reward, counts, after))
+                                 response, qa_reward, counts, after,
+                                 episode.session.user_turns()))
   return parsed, computer(rollouts)
 
 

@@ -10,7 +10,9 @@ weights -> group advantages -> one sharded GRPO update (`rl.Learner`).
 Every reward term is logged per step to `DIR/metrics.jsonl` (and
 TensorBoard).
 
-Snapshots M_{t-1} are built by the initial policy (greedy), cached under
+Snapshots M_{t-1} (`rl.snapshots`): fixed expert states from a directory
+(the paper's protocol; `tools/build_expert_states.py` builds them), never
+rebuilt; or ("policy") built by the initial policy (greedy), cached under
 `DIR/snapshots/v<N>/`, and rebuilt by the current policy every
 `rl.snapshot_refresh_epochs` epochs. Checkpoints (params, optimizer, RNG,
 step = curriculum position, snapshot version) go to `DIR/checkpoints/`;
@@ -20,6 +22,7 @@ a rerun with the same DIR resumes from the newest readable one.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -30,14 +33,12 @@ import jax
 import numpy as np
 from absl import logging
 
-from cmimem_jax.client import EndpointConfig, OpenAIClient
 from cmimem_jax.cmi.logprob import PolicyProfileLM
 from cmimem_jax.cmi.reward import RewardComputer, RewardConfig
-from cmimem_jax.config import (qa_chunk_budget, register_section,
+from cmimem_jax.config import (Interrupted, finite_number, register_section,
                                validate_config)
-from cmimem_jax.data import Dialogue, load_configured
-from cmimem_jax.encoders import make_encoder
-from cmimem_jax.evaluation.judges import LLMJudge
+from cmimem_jax.data import Dialogue, WorkdirLock, load_configured
+from cmimem_jax.encoders import encoder_identity, make_encoder
 from cmimem_jax.memory.builder import EDIT_COUNTERS
 from cmimem_jax.memory.compression import memory_editors
 from cmimem_jax.memory.dsl import response_regex
@@ -46,7 +47,8 @@ from cmimem_jax.models.qwen3.params import save_hf
 from cmimem_jax.parallel import (initialize_distributed, make_mesh,
                                  parse_mesh_shape, resolve_mesh_shape)
 from cmimem_jax.rl import (Checkpointer, GRPOLossConfig, Learner,
-                           MetricsWriter, OptimizerConfig, TrainStepConfig,
+                           MetricsWriter, OptimizerConfig, StopSignals,
+                           TrainStepConfig,
                            group_advantages, load_model_weights, read_metrics,
                            recompute_logprobs,
                            rollout_batch)
@@ -60,7 +62,8 @@ from cmimem_jax.task.episode import (Episode, attribution_weights,
                                      policy_messages, score_rollouts,
                                      session_questions)
 from cmimem_jax.task.qa_reward import QAReward
-from cmimem_jax.task.snapshots import (build_snapshots, load_snapshots,
+from cmimem_jax.task.snapshots import (build_snapshots,
+                                       load_expert_snapshots, load_snapshots,
                                        save_snapshots)
 
 
@@ -83,10 +86,27 @@ def _check_training(c) -> None:
             "a positive integer")
   c.check("rl.sessions_per_batch", lambda v: isinstance(v, int) and v > 0,
           "a positive integer")
+  c.check("rl.learning_rate", lambda v: finite_number(v) and v > 0,
+          "a finite number > 0")
+  for name in ("weight_decay", "grad_clip_norm", "kl_beta"):
+    c.check(f"rl.{name}", lambda v: finite_number(v, 0.0),
+            "a finite number >= 0")
+  for name in ("epsilon_low", "epsilon_high"):
+    c.check(f"rl.{name}", lambda v: finite_number(v, 0.0, 1.0),
+            "in [0, 1]")
+  for name in ("max_steps", "warmup_steps", "epochs"):
+    c.check(f"rl.{name}", lambda v: isinstance(v, int) and v >= 0,
+            "an integer >= 0")
+  c.check("rl.curriculum_weights", lambda v: len(v) == 3 and all(
+      finite_number(w, 0.0) for w in v), "three finite weights >= 0")
   c.check("rl.micro_batches", lambda v: isinstance(v, int) and v > 0,
           "a positive integer")
   c.check("rl.curriculum_tiers", lambda v: isinstance(v, int) and v > 0,
           "a positive integer")
+  c.check("rl.snapshots", lambda v: v == "policy" or (
+      isinstance(v, str) and os.path.isdir(v)),
+          "'policy' or a directory of expert states "
+          "(tools/build_expert_states.py)")
   c.check("qa.judge", lambda v: v in ("context_recall", "llm"),
           "context_recall or llm")
   c.check("policy.attention_impl", lambda v: v in ATTENTION_IMPLS,
@@ -99,7 +119,7 @@ def _check_training(c) -> None:
                         "model is its endpoint)")
   try:
     loss = GRPOLossConfig(c.get("rl.epsilon_low"), c.get("rl.epsilon_high"),
-                          c.get("rl.kl_beta"))
+                          c.get("rl.kl_beta"), c.get("rl.loss_aggregation"))
     del loss
   except (TypeError, ValueError) as e:
     c.problems.append(f"rl: {e}")
@@ -129,6 +149,12 @@ def _check_training(c) -> None:
 register_section("rl", _check_training)
 
 
+def training_dialogues(dataset: Any) -> list[Dialogue]:
+  """The dialogues a training job reads from its `dataset` section (its
+  split, the first `dialogues` of them; 0 = all)."""
+  return load_configured(dataset, "train")[:dataset.dialogues or None]
+
+
 def _training_sessions(dialogues: list[Dialogue], weights) -> list[SessionRef]:
   refs = []
   for d, dialogue in enumerate(dialogues):
@@ -139,16 +165,6 @@ def _training_sessions(dialogues: list[Dialogue], weights) -> list[SessionRef]:
         refs.append(SessionRef(d, session.index, difficulty(
             session.index, fragments, len(questions), weights)))
   return refs
-
-
-def _qa_reward(config, encoder) -> QAReward:
-  answerer = judge = None
-  if config.qa.judge == "llm":
-    answerer = OpenAIClient(EndpointConfig.from_config(config.qa.answer))
-    judge = LLMJudge(OpenAIClient(EndpointConfig.from_config(
-        config.qa.judge_endpoint)), config.qa.prompt)
-  return QAReward(encoder, config.qa.judge, config.qa.top_k,
-                  qa_chunk_budget(config.memory), answerer, judge)
 
 
 def _mean_terms(terms) -> dict[str, float]:
@@ -171,10 +187,13 @@ class Trainer:
       import_vllm()  # Fails fast, with the install hint, where it is absent.
     initialize_distributed()
     self.config, self.workdir = config, workdir
+    # One writer per workdir (process 0 writes for a multi-host job).
+    self.lock = WorkdirLock(workdir, "train")
+    if jax.process_index() == 0:
+      self.lock.acquire()
     os.makedirs(workdir, exist_ok=True)
     self.mesh = make_mesh(config.mesh)
-    dialogues = load_configured(config.dataset, "train")
-    self.dialogues = dialogues[:config.dataset.dialogues or None]
+    self.dialogues = training_dialogues(config.dataset)
     self.encoder = make_encoder(config.encoder)
     tokenizer = load_tokenizer(config.policy.tokenizer)
     model = load_policy(config.policy, len(tokenizer))
@@ -196,7 +215,8 @@ class Trainer:
     if self.constraint is not None:
       min_budget = self.constraint.padded_tables(model.config.vocab_size)[1]
     self.learner = Learner(model, TrainStepConfig(
-        loss=GRPOLossConfig(rl.epsilon_low, rl.epsilon_high, rl.kl_beta),
+        loss=GRPOLossConfig(rl.epsilon_low, rl.epsilon_high, rl.kl_beta,
+                            rl.loss_aggregation),
         optimizer=OptimizerConfig(
             learning_rate=rl.learning_rate, warmup_steps=rl.warmup_steps,
             weight_decay=rl.weight_decay, grad_clip_norm=rl.grad_clip_norm),
@@ -205,7 +225,8 @@ class Trainer:
         logprob_chunk=rl.logprob_chunk,
         constraint_eos_id=(None if self.constraint is None
                            else self.constraint.eos_id)),
-                           self.mesh, min_budget=min_budget)
+                           self.mesh, min_budget=min_budget,
+                           keep_reference=(config.reward.estimator == "logprob"))
     buckets = tuple(config.rollout.buckets)
     if config.rollout.engine == "vllm":
       directory = checkpoint_dir(workdir)
@@ -224,11 +245,8 @@ class Trainer:
     self.curriculum = Curriculum(
         _training_sessions(self.dialogues, tuple(rl.curriculum_weights)),
         rl.sessions_per_batch, rl.curriculum_tiers, max(1, rl.epochs))
-    self.total_steps = rl.max_steps or (
-        rl.epochs * self.curriculum.steps_per_epoch)
-    self.checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
-                                     config.checkpoint.keep,
-                                     config.checkpoint.async_save)
+    self.total_steps = rl.max_steps or self.curriculum.planned_steps
+    self.checkpointer = Checkpointer.for_workdir(workdir, config.checkpoint)
     self.key = jax.random.key(config.seed)
     self.loop = {"step": 0, "snapshot_version": 0, "snapshot_epoch": 0}
     restored = self.checkpointer.restore(self.learner.params,
@@ -242,15 +260,27 @@ class Trainer:
                    restored.step, restored.skipped)
     self.resumed_from = None if restored is None else restored.step
     reward_config = RewardConfig.from_config(config.reward)
-    profile_lm = (PolicyProfileLM(self.policy, lambda: self.learner.model,
-                                  reward_config.profile_max_new_tokens,
-                                  config.rl.logprob_chunk)
-                  if reward_config.estimator == "logprob" else None)
+    profile_lm = None
+    if reward_config.estimator == "logprob":
+      # App. E / H.3: p_ref is the frozen initial policy (the KL
+      # reference), never the live one: it writes the Listing 8 profiles
+      # (JAX sampler, free text) and scores them.
+      reference = self.learner.reference_model
+      profile_lm = PolicyProfileLM(
+          ChatPolicy.jax(reference, tokenizer,
+                         config.rollout.max_prompt_tokens, buckets, self.mesh),
+          lambda: reference, reward_config.profile_max_new_tokens,
+          config.rl.logprob_chunk)
     self.reward = RewardComputer(self.encoder, reward_config, profile_lm)
-    self.qa = _qa_reward(config, self.encoder)
+    self.qa = QAReward.from_config(config, self.encoder)
     self.editors = memory_editors(
         config.memory, {"policy": self.policy, "answer": self.qa.answerer})
-    self.snapshots = self._snapshots(self.loop["snapshot_version"])
+    self.fixed_snapshots = config.rl.snapshots != "policy"
+    if self.fixed_snapshots:
+      self.snapshots = load_expert_snapshots(
+          config.rl.snapshots, self.dialogues, encoder_identity(config.encoder))
+    else:
+      self.snapshots = self._snapshots(self.loop["snapshot_version"])
 
   # -- snapshots -------------------------------------------------------------
 
@@ -290,8 +320,8 @@ class Trainer:
     step = self.loop["step"]
     epoch = self.curriculum.epoch(step)
     refresh = self.config.rl.snapshot_refresh_epochs
-    if refresh and epoch > 0 and epoch % refresh == 0 and (
-        self.loop["snapshot_epoch"] != epoch):
+    if not self.fixed_snapshots and refresh and epoch > 0 and (
+        epoch % refresh == 0) and self.loop["snapshot_epoch"] != epoch:
       self.loop["snapshot_version"] += 1
       self.loop["snapshot_epoch"] = epoch
       self.snapshots = self._snapshots(self.loop["snapshot_version"])
@@ -362,29 +392,43 @@ class Trainer:
     self.loop["step"] = step + 1
     return metrics
 
-  def run(self) -> list[dict[str, Any]]:
-    """Trains to `total_steps`, checkpointing; returns this run's metrics."""
+  def save_checkpoint(self) -> None:
+    step = self.loop["step"]
+    if step not in self.checkpointer.steps():
+      self.checkpointer.save(step, self.learner.params,
+                             self.learner.opt_state, self.key,
+                             dict(self.loop))
+
+  def run(self, stop: StopSignals | None = None) -> list[dict[str, Any]]:
+    """Trains to `total_steps`, checkpointing; returns this run's metrics.
+
+    SIGTERM / SIGINT (`stop`, or signals watched here) end the run at the
+    next step boundary with a checkpoint and `config.Interrupted`.
+    """
     writer = MetricsWriter(self.workdir, self.total_steps,
                            tensorboard=self.config.tensorboard,
                            start_step=self.loop["step"])
     every = self.config.checkpoint.every_steps
     history = []
-    try:
+    with contextlib.ExitStack() as stack:
+      stack.callback(writer.close)
+      stack.callback(self.checkpointer.wait)
+      stop = stop or stack.enter_context(StopSignals())
       while self.loop["step"] < self.total_steps:
+        if stop.requested(self.loop["step"], self.checkpointer.manager):
+          self.save_checkpoint()
+          self.checkpointer.wait()
+          raise Interrupted(stop.message(self.loop["step"]), stop.signum)
         metrics = self.step()
         step = self.loop["step"]
         writer.write(step, metrics)
         history.append(metrics)
         logging.info("step %d: reward %.4f valid %.2f loss %.4g (%.1f s)",
                      step, metrics["reward_mean"], metrics["validity_rate"],
-                     metrics["loss"], metrics["step_time_s"])
+                     metrics.get("loss", float("nan")),
+                     metrics["step_time_s"])
         if step % every == 0 or step == self.total_steps:
-          self.checkpointer.save(step, self.learner.params,
-                                 self.learner.opt_state, self.key,
-                                 dict(self.loop))
-    finally:
-      self.checkpointer.wait()
-      writer.close()
+          self.save_checkpoint()
     return history
 
 
@@ -396,8 +440,10 @@ def summary_text(history: list[dict[str, Any]], before: str, after: str,
   lines = ["", "=== CMI-Mem training summary ===",
            "step  " + "  ".join(f"{t:>20}" for t in terms)]
   for m in history:
+    # A skipped (non-finite) update has no loss: shown as nan.
+    values = [m.get(t) for t in terms]
     lines.append(f"{m['step']:4d}  " + "  ".join(
-        f"{m.get(t, float('nan')):20.4f}" for t in terms))
+        f"{float('nan') if v is None else v:20.4f}" for v in values))
   lines += [f"\n--- session {session}: operations before training ---",
             before.strip() or "(empty response)",
             f"--- session {session}: operations after training ---",
@@ -405,22 +451,26 @@ def summary_text(history: list[dict[str, Any]], before: str, after: str,
   return "\n".join(lines)
 
 
-
-
 def train(config, workdir: str) -> str:
   """Trains (or resumes) in `workdir`; returns the human-readable report:
   the reward curve by term over every step so far, one session's memory
-  operations before vs after training, and a JSON line of run facts."""
+  operations before vs after training, and a JSON line of run facts.
+
+  Raises:
+    config.Interrupted: SIGTERM / SIGINT (also while starting up): a
+      checkpoint of the last finished step is saved first.
+  """
   start = time.perf_counter()
-  loop = Trainer(config, workdir)
-  demo_ref = loop.curriculum.batch(0)[0]
-  demo_session = (f"{loop.dialogues[demo_ref.dialogue].dialogue_id}/"
-                  f"{demo_ref.session}")
-  before_path = os.path.join(workdir, "demo_before.txt")
-  if not os.path.exists(before_path):  # The initial policy's response.
-    with open(before_path, "w") as f:
-      f.write(loop.greedy_response(demo_ref))
-  loop.run()
+  with StopSignals() as stop:
+    loop = Trainer(config, workdir)
+    demo_ref = loop.curriculum.batch(0)[0]
+    demo_session = (f"{loop.dialogues[demo_ref.dialogue].dialogue_id}/"
+                    f"{demo_ref.session}")
+    before_path = os.path.join(workdir, "demo_before.txt")
+    if not os.path.exists(before_path):  # The initial policy's response.
+      with open(before_path, "w") as f:
+        f.write(loop.greedy_response(demo_ref))
+    loop.run(stop)
   after = loop.greedy_response(demo_ref)
   history = read_metrics(workdir)  # Every step, resumed runs too.
   with open(before_path) as f:

@@ -4,11 +4,12 @@ the bank a rollout produced."""
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cmimem_jax.client import ChatModel
+from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
+from cmimem_jax.config import qa_chunk_budget
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.evaluation.answering import MemoryContext
 from cmimem_jax.evaluation.judges import LLMJudge, context_recall
@@ -41,6 +42,19 @@ class QAReward:
     self.chunk_budget_chars = chunk_budget_chars
     self.answerer, self.judge = answerer, judge
     self.failures: collections.Counter[str] = collections.Counter()
+
+  @classmethod
+  def from_config(cls, config: Any, encoder: Encoder) -> QAReward:
+    """The training job's `r_QA` (`qa` and `memory` sections): the judge,
+    top-k, and the LookupChunk budget (0 under `memory.source_chunks =
+    False`, the RM ablation)."""
+    answerer = judge = None
+    if config.qa.judge == "llm":
+      answerer = OpenAIClient(EndpointConfig.from_config(config.qa.answer))
+      judge = LLMJudge(OpenAIClient(EndpointConfig.from_config(
+          config.qa.judge_endpoint)), config.qa.prompt)
+    return cls(encoder, config.qa.judge, config.qa.top_k,
+               qa_chunk_budget(config.memory), answerer, judge)
 
   def __call__(self, bank: MemoryBank, episode: Episode
                ) -> tuple[float, dict[MemoryType, int]]:

@@ -1,21 +1,41 @@
-"""Memory states `M_{t-1}` for every training session (SPEC §5): built by
-running a policy (greedy) through the training dialogues, cached on disk
-per version, refreshed by the current policy every K epochs."""
+"""Memory states `M_{t-1}` for every training session (SPEC §5).
+
+Two sources (`rl.snapshots`):
+* fixed expert states (the paper's protocol, MemBuilder's `state_before`):
+  a teacher model's trajectory through each dialogue, built once by
+  `tools/build_expert_states.py` (`build_expert_snapshots`) and never
+  rebuilt;
+* "policy": built by running the policy (greedy) through the training
+  dialogues, cached on disk per version, refreshed by the current policy
+  every K epochs (small CPU runs).
+
+Both are stored alike: `DIR/<dialogue_id>/s<t>/` holds `M_{t-1}` of
+session t (a `MemoryBank` directory).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from absl import logging
+
 from cmimem_jax.client import Messages
-from cmimem_jax.data.files import path_under
+from cmimem_jax.data.files import path_under, read_jsonl
 from cmimem_jax.data.types import Dialogue
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.memory.apply import MemoryEditors
 from cmimem_jax.memory.bank import MemoryBank
+from cmimem_jax.memory.builder import Responder
 from cmimem_jax.memory.dsl import parse
 from cmimem_jax.task.episode import apply_to_copy, policy_messages
+
+# In an expert-states directory: what built it, and one record per teacher
+# response.
+STATES_FILE = "states.json"
+TEACHER_LOG = "teacher.jsonl"
 
 
 def build_snapshots(dialogues: Sequence[Dialogue],
@@ -40,6 +60,126 @@ def build_snapshots(dialogues: Sequence[Dialogue],
       session = dialogues[i].sessions[t]
       banks[i].append(apply_to_copy(banks[i][t], session, parse(text),
                                     encoder, memory, editors))
+  return banks
+
+
+def _saved_prefix(directory: str, dialogue: Dialogue) -> int:
+  """How many consecutive states `s0, s1, …` of `dialogue` are saved."""
+  count = 0
+  while count < len(dialogue.sessions) and os.path.exists(os.path.join(
+      path_under(directory, dialogue.dialogue_id, f"s{count}"), "CURRENT")):
+    count += 1
+  return count
+
+
+def teacher_records(directory: str) -> dict[tuple[str, int], dict[str, Any]]:
+  """The newest teacher record per (dialogue id, session index)."""
+  return {(r["dialogue_id"], r["session_index"]): r
+          for r in read_jsonl(os.path.join(directory, TEACHER_LOG))}
+
+
+def build_expert_snapshots(dialogues: Sequence[Dialogue], respond: Responder,
+                           encoder: Encoder, memory: Any, directory: str,
+                           settings: dict[str, Any],
+                           editors: MemoryEditors = MemoryEditors()
+                           ) -> dict[str, int]:
+  """Fixed expert states: `respond` (a teacher) builds each dialogue's
+  memory session by session; `M_{t-1}` of every session is saved as soon
+  as it exists, so a rerun continues from the newest saved state. An
+  invalid teacher response leaves the bank unchanged (as at evaluation)
+  and is counted; every response is logged in `TEACHER_LOG`.
+
+  Args:
+    settings: what the states depend on (encoder, memory, teacher), kept
+      in `STATES_FILE`; a rerun with other settings is refused.
+
+  Returns:
+    `{"dialogues", "sessions", "built", "rejected"}` over the whole
+    directory (`built`: teacher calls made by this run).
+
+  Raises:
+    ValueError: the directory holds states of other settings.
+  """
+  os.makedirs(directory, exist_ok=True)
+  settings_path = os.path.join(directory, STATES_FILE)
+  settings = json.loads(json.dumps(settings))  # Tuples as lists, as stored.
+  if os.path.exists(settings_path):
+    with open(settings_path, encoding="utf-8") as f:
+      stored = json.load(f)
+    if stored != settings:
+      changed = sorted(k for k in stored.keys() | settings.keys()
+                       if stored.get(k) != settings.get(k))
+      raise ValueError(f"{directory} holds expert states of other settings "
+                       f"({', '.join(changed)}): use a new directory")
+  else:
+    with open(settings_path, "w", encoding="utf-8") as f:
+      json.dump(settings, f, indent=1)
+  built = 0
+  with open(os.path.join(directory, TEACHER_LOG), "a", encoding="utf-8") as log:
+    for dialogue in dialogues:
+      saved = _saved_prefix(directory, dialogue)
+      if saved == 0:
+        bank = MemoryBank(dialogue.dialogue_id, encoder.dim)
+        bank.save(path_under(directory, dialogue.dialogue_id, "s0"))
+        saved = 1
+      else:
+        bank = MemoryBank.load(path_under(directory, dialogue.dialogue_id,
+                                          f"s{saved - 1}"))
+      for t in range(saved - 1, len(dialogue.sessions) - 1):
+        session = dialogue.sessions[t]
+        response = respond(bank, session)
+        built += 1
+        log.write(json.dumps({
+            "dialogue_id": dialogue.dialogue_id, "session_index": t,
+            "valid": response.valid, "response": response.text,
+            "errors": [str(e) for e in response.errors]}) + "\n")
+        log.flush()
+        if response.valid:
+          bank = apply_to_copy(bank, session, response, encoder, memory,
+                               editors)
+        else:
+          logging.warning("%s session %d: teacher response rejected: %s",
+                          dialogue.dialogue_id, t,
+                          [str(e) for e in response.errors][:3])
+        bank.save(path_under(directory, dialogue.dialogue_id, f"s{t + 1}"))
+  records = teacher_records(directory)
+  return {"dialogues": len(dialogues),
+          "sessions": sum(len(d.sessions) for d in dialogues),
+          "built": built,
+          "rejected": sum(not r["valid"] for r in records.values())}
+
+
+def load_expert_snapshots(directory: str, dialogues: Sequence[Dialogue],
+                          encoder_settings: dict[str, Any]
+                          ) -> list[list[MemoryBank]]:
+  """The fixed expert states of every training session.
+
+  Raises:
+    ValueError: no expert states there, built with another encoder
+      (kind, width or query instruction), or some state missing.
+  """
+  path = os.path.join(directory, STATES_FILE)
+  if not os.path.exists(path):
+    raise ValueError(f"rl.snapshots={directory!r} holds no expert states "
+                     f"({STATES_FILE} missing): build them with "
+                     "tools/build_expert_states.py")
+  with open(path, encoding="utf-8") as f:
+    stored = json.load(f).get("encoder", {})
+  keys = ("kind", "dim", "query_instruction")
+  if any(stored.get(k) != encoder_settings.get(k) for k in keys):
+    raise ValueError(
+        f"the expert states in {directory} were embedded with encoder "
+        f"{ {k: stored.get(k) for k in keys} }, this run uses "
+        f"{ {k: encoder_settings.get(k) for k in keys} }: rebuild them")
+  missing = [f"{d.dialogue_id}/s{_saved_prefix(directory, d)}"
+             for d in dialogues
+             if _saved_prefix(directory, d) < len(d.sessions)]
+  if missing:
+    raise ValueError(f"{len(missing)} dialogues lack expert states in "
+                     f"{directory} (first missing: {missing[:3]}): finish "
+                     "them with tools/build_expert_states.py")
+  banks = load_snapshots(directory, dialogues)
+  assert banks is not None  # Every state was just found.
   return banks
 
 

@@ -17,6 +17,7 @@ the result (`rl.load_model_weights`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -28,7 +29,9 @@ import numpy as np
 from absl import logging
 
 from cmimem_jax.client import ChatModel
-from cmimem_jax.config import register_section, validate_config
+from cmimem_jax.config import (Interrupted, finite_number,
+                               register_section, validate_config)
+from cmimem_jax.data.files import WorkdirLock
 from cmimem_jax.data.types import Dialogue
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.evaluation.builders import policy_responder
@@ -37,8 +40,8 @@ from cmimem_jax.memory.dsl import ParsedResponse, render
 from cmimem_jax.memory.types import MemoryType
 from cmimem_jax.parallel import batch_divisor, make_mesh
 from cmimem_jax.rl import (Checkpointer, Learner, MetricsWriter,
-                           OptimizerConfig, SFTLossConfig, TrainStepConfig,
-                           supervised_batch)
+                           OptimizerConfig, SFTLossConfig, StopSignals,
+                           TrainStepConfig, supervised_batch)
 from cmimem_jax.sampling import (bucket_length, encode_chat, load_policy,
                                  load_tokenizer)
 from cmimem_jax.task.build_memory import annotation_responder
@@ -116,7 +119,11 @@ def _check_sft(c) -> None:
             "a positive integer")
   c.check("sft.max_steps", lambda v: isinstance(v, int) and v >= 0,
           "an int >= 0 (0: epochs decide)")
-  c.check("sft.learning_rate", lambda v: v > 0, "> 0")
+  c.check("sft.learning_rate", lambda v: finite_number(v) and v > 0,
+          "a finite number > 0")
+  for name in ("weight_decay", "grad_clip_norm"):
+    c.check(f"sft.{name}", lambda v: finite_number(v, 0.0),
+            "a finite number >= 0")
   c.check("sft.buckets", lambda v: len(v) > 0 and all(
       isinstance(b, int) and b > 0 for b in v), "positive prompt lengths")
   buckets, longest = c.get("sft.buckets"), c.get("sft.max_prompt_tokens")
@@ -156,6 +163,9 @@ def run_sft(config, workdir: str) -> list[dict[str, Any]]:
   """Trains (or resumes) the warm start in `workdir`; returns this run's
   metrics. The batch of step s is a pure function of s and the seed."""
   validate_config(config, required=("policy", "sft"))
+  lock = WorkdirLock(workdir, "sft")
+  if jax.process_index() == 0:
+    lock.acquire()
   os.makedirs(workdir, exist_ok=True)
   sft = config.sft
   mesh = make_mesh(config.mesh)
@@ -185,9 +195,7 @@ def run_sft(config, workdir: str) -> list[dict[str, Any]]:
                     mesh)
   steps_per_epoch = len(examples) // rows
   total = sft.max_steps or sft.epochs * steps_per_epoch
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"),
-                              config.checkpoint.keep,
-                              config.checkpoint.async_save)
+  checkpointer = Checkpointer.for_workdir(workdir, config.checkpoint)
   key = jax.random.key(config.seed)
   restored = checkpointer.restore(learner.params, learner.opt_state, key)
   step = 0
@@ -199,9 +207,22 @@ def run_sft(config, workdir: str) -> list[dict[str, Any]]:
   writer = MetricsWriter(workdir, total, tensorboard=config.tensorboard,
                          start_step=step)
   history = []
-  try:
+
+  def save(epoch: int) -> None:
+    if step not in checkpointer.steps():
+      checkpointer.save(step, learner.params, learner.opt_state, key,
+                        {"epoch": epoch})
+
+  with contextlib.ExitStack() as stack:
+    stack.callback(writer.close)
+    stack.callback(checkpointer.wait)
+    stop = stack.enter_context(StopSignals())
     while step < total:
       epoch, position = divmod(step, steps_per_epoch)
+      if stop.requested(step, checkpointer.manager):
+        save(epoch)
+        checkpointer.wait()
+        raise Interrupted(stop.message(step), stop.signum)
       order = np.random.default_rng([config.seed, epoch]).permutation(
           len(examples))
       chosen = [examples[i] for i in order[position * rows:
@@ -218,17 +239,14 @@ def run_sft(config, workdir: str) -> list[dict[str, Any]]:
       writer.write(step, metrics)
       history.append(metrics)
       if step % config.checkpoint.every_steps == 0 or step == total:
-        checkpointer.save(step, learner.params, learner.opt_state, key,
-                          {"epoch": epoch})
-  finally:
-    checkpointer.wait()
-    writer.close()
+        save(epoch)
   return history
 
 
 def summary_text(history: Sequence[dict[str, Any]]) -> str:
   """The warm start's loss curve, one line per step."""
   lines = ["step      loss       nll"]
-  lines += [f"{m['step']:4d}  {m['loss']:8.4f}  {m['nll']:8.4f}"
-            for m in history]
+  nan = float("nan")
+  lines += [f"{m['step']:4d}  {m.get('loss', nan):8.4f}  "
+            f"{m.get('nll', nan):8.4f}" for m in history]
   return "\n".join(lines)

@@ -2,11 +2,13 @@
 
 import ml_collections
 
-from configs.ablations import FLAT_MEMORY, PROMPTING_ONLY, derive
+from configs import eval_qwen3_4b
+from configs.ablations import FLAT_MEMORY, PROMPTING, derive
 
 PAPER_ROW = ("table3", "Qwen3-4B")  # tools/compare_paper.py
-CHANGES = {**PROMPTING_ONLY, **FLAT_MEMORY}
+BASE = eval_qwen3_4b
+CHANGES = {**PROMPTING, **FLAT_MEMORY}
 
 
 def get_config() -> ml_collections.ConfigDict:
-  return derive(CHANGES)
+  return derive(CHANGES, BASE)

@@ -2,11 +2,13 @@
 
 import ml_collections
 
-from configs.ablations import PROMPTING_ONLY, derive
+from configs import eval_qwen3_4b
+from configs.ablations import PROMPTING, derive
 
 PAPER_ROW = ("table3", "+RM")  # tools/compare_paper.py
-CHANGES = PROMPTING_ONLY
+BASE = eval_qwen3_4b
+CHANGES = PROMPTING
 
 
 def get_config() -> ml_collections.ConfigDict:
-  return derive(CHANGES)
+  return derive(CHANGES, BASE)

@@ -6,6 +6,7 @@ import pytest
 from cmimem_jax.cmi import (RewardComputer, RewardConfig, RolloutInput,
                             banked_rho, gaussian_shaping, operation_score,
                             reward_defaults, token_weights)
+from cmimem_jax.data.fragments import user_statements
 from cmimem_jax.encoders import HashingEncoder
 from cmimem_jax.encoders.neural import MiniLMEncoder, minilm_directory
 from cmimem_jax.memory import (Action, MemoryBank, MemoryType, Operation,
@@ -209,17 +210,24 @@ def test_cross_duplicates():
 
 
 def test_only_additions_can_be_duplicates():
-  """Table 7 "dup-add": an UPDATE restating its own target, or a MERGE, is
-  a revision; an ADD of a stored entry, or an APPEND of a core line, is a
-  copy."""
+  """Table 7 "dup-add": an UPDATE or REPLACE restating its own target, or a
+  MERGE repeating one of its sources, is a revision; an ADD of a stored
+  entry, or an APPEND of a core line, is a copy."""
   bank = _bank("Rex - Pet: beagle", "Ana - Job: nurse")
+  bank, _ = apply_operations(bank, [
+      Operation(MemoryType.EPISODIC, Action.ADD, (t,)) for t in
+      ("Walked Rex in the park", "Took Rex to the vet")], ENCODER,
+      session_index=0)
   bank.core = "Owns Rex"
-  revision = _score("CORE:REPLACE|Owns Rex|owns rex\nEPISODIC:SKIP\n"
+  revision = _score("CORE:REPLACE|Owns Rex|owns rex\n"
+                    "EPISODIC:MERGE|Walked Rex in the park|Took Rex to the "
+                    "vet|Walked Rex in the park\n"
                     "SEMANTIC:UPDATE|Rex - Pet: beagle|rex - pet: Beagle\n"
-                    "SEMANTIC:MERGE|Rex - Pet: beagle|Ana - Job: nurse|"
-                    "Rex - Pet: beagle\nPROCEDURAL:SKIP", bank=bank)
+                    "PROCEDURAL:SKIP", bank=bank)
+  assert revision.valid and len(revision.operations) == 3
   assert revision.intra_duplicate_fraction == 0.0
   assert revision.cross_duplicate_fraction == 0.0
+  assert revision.cross_duplicate_factor == 1.0
   copies = _score("CORE:APPEND|owns  REX\nEPISODIC:SKIP\n"
                   "SEMANTIC:ADD|rex - pet: Beagle\nPROCEDURAL:SKIP", bank=bank)
   assert copies.cross_duplicate_fraction == 1.0
@@ -251,21 +259,41 @@ DOG_SESSION = (
     "user: Great, I walk him every morning before my nursing shift at the "
     "hospital.",
     "assistant: Morning walks are a great routine for beagles.")
+# What the user states in it (`user_statements` of the user's turns).
+DOG_STATEMENTS = ("I finally adopted a beagle puppy last weekend,",
+                  "his name is Rex.",
+                  "I walk him every morning before my nursing shift at the "
+                  "hospital.")
+TRIVIA_SESSION = (
+    "user: What is the capital of Australia?",
+    "assistant: The capital of Australia is Canberra, not Sydney as many "
+    "people assume; it was built as a compromise between Sydney and "
+    "Melbourne.",
+    "user: How many bones are in the adult human body?",
+    "assistant: An adult human body has 206 bones.",
+    "user: Who wrote Pride and Prejudice?",
+    "assistant: Jane Austen wrote Pride and Prejudice, published in 1813.")
 
 
-def _skip_terms(encoder, semantic_texts):
+def _user_turns(session):
+  return tuple(line.split(": ", 1)[1] for line in session
+               if line.startswith("user: "))
+
+
+def _skip_terms(encoder, semantic_texts, session=DOG_SESSION):
   bank = MemoryBank("u", encoder.dim)
   bank, _ = apply_operations(bank, [
       Operation(MemoryType.SEMANTIC, Action.ADD, (t,)) for t in semantic_texts],
       encoder, session_index=0)
-  rollout = RolloutInput(bank, "\n".join(DOG_SESSION),
-                         parse(f"CORE:APPEND|Owns Rex\n{SKIPS}"), 0.0)
+  rollout = RolloutInput(bank, "\n".join(session),
+                         parse(f"CORE:APPEND|Owns Rex\n{SKIPS}"), 0.0,
+                         user_turns=_user_turns(session))
   (terms,) = RewardComputer(encoder)([rollout])
   return terms
 
 
 def test_semantic_skip_justified_when_store_explains_session():
-  terms = _skip_terms(ENCODER, DOG_SESSION)  # Every turn already stored.
+  terms = _skip_terms(ENCODER, DOG_STATEMENTS)  # Every statement stored.
   assert terms.semantic_skip_justified is True
   assert terms.semantic_skip_bonus == 0.1
   assert terms.total == pytest.approx(terms.base + 0.1)
@@ -275,44 +303,63 @@ def test_semantic_skip_justified_when_store_explains_session():
   assert no_skip.semantic_skip_bonus == 0.0
 
 
-def test_semantic_skip_on_real_sentence_embeddings():
-  """SPEC §4.4 on all-MiniLM-L6-v2 vectors: ρ is the largest CMI of a
-  session turn against the semantic store; below μ − σ = 0.2 a SKIP is
-  justified. Stored verbatim: ρ = 0; paraphrased: partly novel; unrelated
-  facts: as novel as with an empty store."""
+def test_user_statements_are_what_the_user_states():
+  assert user_statements(_user_turns(DOG_SESSION)) == list(DOG_STATEMENTS)
+  assert user_statements(_user_turns(TRIVIA_SESSION)) == []
+  assert user_statements(["I'm vegetarian and hate spicy food, any dinner "
+                          "ideas?"]) == ["I'm vegetarian and hate spicy food,"]
+
+
+@pytest.fixture(scope="module")
+def minilm():
   try:
     minilm_directory()
   except FileNotFoundError as e:
     pytest.skip(str(e))
-  encoder = MiniLMEncoder(batch_size=16)
-  known = _skip_terms(encoder, DOG_SESSION)
-  paraphrased = _skip_terms(encoder, [
+  return MiniLMEncoder(batch_size=16)
+
+
+def test_semantic_skip_on_real_sentence_embeddings(minilm):
+  """SPEC §4.4 on all-MiniLM-L6-v2 vectors: ρ is the largest CMI of a user
+  statement against the semantic store; below μ − σ = 0.2 a SKIP is
+  justified. Stored verbatim: ρ = 0; paraphrased: partly novel; unrelated
+  facts: as novel as with an empty store. A session of common-knowledge
+  questions states nothing about the user: justified whatever the store
+  holds (judged on every line, assistant answers included, ρ would be
+  ~0.6 and the SKIP always penalised)."""
+  known = _skip_terms(minilm, DOG_STATEMENTS)
+  paraphrased = _skip_terms(minilm, [
       "User - Pets: adopted a beagle puppy named Rex last weekend",
       "User - Routine: walks Rex every morning before work",
-      "User - Career: works nursing shifts at the hospital",
-      "Assistant - Advice: morning walks are a good routine for beagles"])
-  unrelated = _skip_terms(encoder, [
-      "User - Travel: visited Lisbon in 2019 and loved the trams",
-      "User - Food: allergic to peanuts",
-      "User - Music: plays jazz piano on weekends"])
+      "User - Career: works nursing shifts at the hospital"])
+  unrelated = ["User - Travel: visited Lisbon in 2019 and loved the trams",
+               "User - Food: allergic to peanuts",
+               "User - Music: plays jazz piano on weekends"]
   assert known.semantic_skip_justified is True
   assert known.semantic_skip_bonus == 0.1
-  for terms in (paraphrased, unrelated):
+  for terms in (paraphrased, _skip_terms(minilm, unrelated)):
     assert terms.semantic_skip_justified is False
     assert terms.semantic_skip_bonus == -0.1
-  rho = RewardComputer(encoder)._semantic_skip_rho
-  contexts = ["\n".join(DOG_SESSION)] + list(DOG_SESSION)
-  embeddings = dict(zip(contexts, encoder.encode(contexts)))
+  for store in ([], unrelated):
+    trivia = _skip_terms(minilm, store, TRIVIA_SESSION)
+    assert trivia.semantic_skip_justified is True
+    assert trivia.semantic_skip_bonus == 0.1
+  rho = RewardComputer(minilm)._semantic_skip_rho
+  context = "\n".join(DOG_SESSION)
+  texts = [context, *DOG_STATEMENTS]
+  embeddings = dict(zip(texts, minilm.encode(texts)))
   values = []
-  for texts in (DOG_SESSION, ["User - Pets: adopted a beagle puppy named Rex",
-                              "User - Career: nurse at the hospital"],
-                ["User - Food: allergic to peanuts",
-                 "User - Music: plays jazz piano"]):
-    bank = MemoryBank("u", encoder.dim)
+  for stored in (DOG_STATEMENTS,
+                 ["User - Pets: adopted a beagle puppy named Rex",
+                  "User - Career: nurse at the hospital"],
+                 ["User - Food: allergic to peanuts",
+                  "User - Music: plays jazz piano"]):
+    bank = MemoryBank("u", minilm.dim)
     bank, _ = apply_operations(bank, [
-        Operation(MemoryType.SEMANTIC, Action.ADD, (t,)) for t in texts],
-        encoder, session_index=0)
-    rollout = RolloutInput(bank, contexts[0], parse(SKIPS), 0.0)
+        Operation(MemoryType.SEMANTIC, Action.ADD, (t,)) for t in stored],
+        minilm, session_index=0)
+    rollout = RolloutInput(bank, context, parse(SKIPS), 0.0,
+                           user_turns=_user_turns(DOG_SESSION))
     values.append(rho([rollout], embeddings, [0])[0])
   assert values[0] == pytest.approx(0.0, abs=1e-3)
   assert 0.2 < values[1] < values[2]

@@ -195,6 +195,45 @@ def test_a_rerun_with_other_settings_is_refused(locomo_path, tmp_path):
              str(tmp_path))
 
 
+def test_a_same_named_file_with_other_content_is_not_reused(locomo_path,
+                                                            tmp_path):
+  """The settings fingerprint holds the file's content, not its name: the
+  same name in another folder with other evidence is refused."""
+  with open(locomo_path) as f:
+    conversations = json.load(f)[:1]
+  (tmp_path / "a").mkdir()
+  (tmp_path / "b").mkdir()
+  (tmp_path / "a" / "locomo.json").write_text(json.dumps(conversations))
+  conversations[0]["qa"][0]["evidence"] = ["D1:1"]
+  (tmp_path / "b" / "locomo.json").write_text(json.dumps(conversations))
+  out = str(tmp_path / "out")
+  evaluate(eval_config(str(tmp_path / "a" / "locomo.json"), limit=3), out)
+  with pytest.raises(ValueError, match="dataset_sha256"):
+    evaluate(eval_config(str(tmp_path / "b" / "locomo.json"), limit=3), out)
+
+
+def test_reruns_keep_unscorable_records_and_time_themselves(locomo_path,
+                                                            tmp_path):
+  """An identical rerun redoes nothing (unscorable category-5 questions
+  included: 497 -> 609 lines before) and `seconds` is the run's wall time."""
+  config = eval_config(locomo_path, **{"dataset.dialogues": 1})
+  first = evaluate(config, str(tmp_path))
+  lines = (tmp_path / "predictions.jsonl").read_text().count("\n")
+  assert first["unscorable"] > 0 and lines == first["n"]
+  again = evaluate(config, str(tmp_path))
+  assert (tmp_path / "predictions.jsonl").read_text().count("\n") == lines
+  assert again["overall"] == first["overall"]
+  assert 0 <= first["seconds"] < 600 and 0 <= again["seconds"] < 600
+
+
+@pytest.mark.parametrize("content", ["[]", ""])
+def test_an_empty_dataset_is_an_error_not_n_0(tmp_path, content):
+  path = tmp_path / "empty.json"
+  path.write_text(content)
+  with pytest.raises(ValueError, match="empty.json"):
+    evaluate(eval_config(str(path)), str(tmp_path / "out"))
+
+
 def test_repeated_question_ids_are_refused(locomo_path, tmp_path):
   with open(locomo_path) as f:
     conversations = json.load(f)[:1]

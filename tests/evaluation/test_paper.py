@@ -74,6 +74,20 @@ def test_longmemeval_result_is_compared_in_tables_1_3_and_9():
     compare([OurResult("q", {"dataset": "squad", "overall": 0.1}, {})])
 
 
+def test_locomo_is_compared_with_and_without_category_5():
+  ours = OurResult("loco", {"dataset": "locomo", "method": "policy",
+                            "judge": "llm", "overall": 0.6,
+                            "without_adversarial": 0.7}, {})
+  (item,) = compare([ours])
+  assert item["ours"] == {"LoCoMo": pytest.approx(60.0)}
+  assert item["ours_without_category_5"] == {"LoCoMo": pytest.approx(70.0)}
+  assert item["difference_without_category_5"] == {
+      "LoCoMo": pytest.approx(70.0 - 72.1)}
+  markdown = to_markdown([item])
+  assert "| **ours: loco, without category 5** | **70.00** |" in markdown
+  assert "| Δ without category 5 − CMI-Mem-4B | -2.10 |" in markdown
+
+
 def test_memoryagentbench_is_compared_on_table_2_columns():
   table2 = {"AR/SH-QA": 0.5, "AR/MH-QA": 0.25, "AR/LME(S*)": 0.5,
             "AR/EventQA": 0.75, "AR": 0.5, "n": {"AR/SH-QA": 4}}

@@ -142,3 +142,14 @@ def test_a_current_file_pointing_elsewhere_is_refused(tmp_path, encoder,
     f.write(pointer)
   with pytest.raises(ValueError, match="is not a bank version name"):
     MemoryBank.load(target)
+
+
+def test_a_failed_save_leaves_no_half_written_version(tmp_path, encoder):
+  bank = _filled_bank(encoder, n=2)
+  bank.save(str(tmp_path / "bank"))
+  broken = _filled_bank(encoder, n=2)
+  broken.core = "cannot be stored: \ud800"
+  with pytest.raises(UnicodeEncodeError):
+    broken.save(str(tmp_path / "bank"))
+  assert not [n for n in os.listdir(tmp_path / "bank") if n.startswith(".tmp")]
+  assert MemoryBank.load(str(tmp_path / "bank")) == bank

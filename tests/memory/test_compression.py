@@ -3,6 +3,7 @@
 import collections
 import json
 
+import numpy as np
 import pytest
 
 from cmimem_jax.client import CallResult
@@ -11,9 +12,12 @@ from cmimem_jax.data import Session, Turn
 from cmimem_jax.encoders import HashingEncoder
 from cmimem_jax.memory import MemoryBank, parse
 from cmimem_jax.memory.apply import CoreConfig, MemoryEditors, apply_operations
+from cmimem_jax.memory.builder import core_config
 from cmimem_jax.memory.compression import (ChatCompressor,
                                            ChatMergeSummarizer, memory_editors)
 from cmimem_jax.memory.types import Action, MemoryType, Operation
+from cmimem_jax.sampling import ChatPolicy, load_tokenizer
+from cmimem_jax.sampling.sampler import SampleOutput, left_pad
 from cmimem_jax.task.episode import apply_to_copy
 
 ENCODER = HashingEncoder(64)
@@ -28,8 +32,9 @@ class ScriptedChat:
   def __init__(self, reply: CallResult):
     self.reply, self.prompts = reply, []
 
-  def chat_many(self, conversations):
+  def chat_many(self, conversations, max_tokens=None):
     self.prompts += [c[0]["content"] for c in conversations]
+    self.max_tokens = max_tokens
     return [self.reply for _ in conversations]
 
 
@@ -151,3 +156,45 @@ def test_a_failed_merge_summary_keeps_the_policy_text_and_counts(reply):
                         ENCODER, memory, editors, stats)
   assert after.stores[MemoryType.EPISODIC].entries[-1].text == DRAFT
   assert stats == {"merge_summary_failures": 1}
+
+
+class ScriptedEngine:
+  """A `GenerationEngine` that writes `text`, cut at the call's token
+  budget as a real engine cuts it."""
+
+  def __init__(self, tokenizer, text):
+    self.ids = tokenizer.encode(text, add_special_tokens=False)
+    self.budgets = []
+
+  def set_model(self, model):
+    del model
+
+  def generate(self, prompts, key, temperature, top_p, max_new_tokens,
+               row_budgets=None, constrained=True):
+    del key, temperature, top_p, row_budgets
+    self.budgets.append((max_new_tokens, constrained))
+    ids = self.ids[:max_new_tokens]
+    tokens = np.tile(np.asarray(ids, np.int32), (len(prompts), 1))
+    prompt, mask = left_pad(prompts, max(len(p) for p in prompts), 0)
+    return SampleOutput(tokens, np.zeros(tokens.shape, np.float32),
+                        np.full(len(prompts), len(ids)), prompt, mask)
+
+
+def test_a_long_listing_5_answer_through_the_policy_is_not_cut():
+  """The paper's core cap (5,000 chars, compressed to 3,000): a valid
+  ~2,900-character Listing 5 answer through `ChatPolicy` (the training
+  job's `memory.compressor = "policy"`) arrives whole, with the default
+  budget; at the chat default of 256 tokens it was always cut."""
+  tokenizer = load_tokenizer("")
+  lines = [IDENTITY] + [f"Fact {i}: took a pottery class in week {i} and "
+                        f"made a bowl for her sister" for i in range(45)]
+  content = "\n".join(lines)[:2900].strip()
+  engine = ScriptedEngine(tokenizer, json.dumps({"content": content}))
+  policy = ChatPolicy(engine, tokenizer, max_prompt_tokens=4096)
+  memory = _with(memory_defaults(), compressor="policy")
+  editors = memory_editors(memory, {"policy": policy, "answer": None})
+  assert editors.compress_core(content + "\nmore") == content
+  assert engine.budgets == [(memory.compress_max_tokens, False)]
+  assert len(engine.ids) > 600  # Far past the old 256-token budget.
+  with pytest.raises(ValueError):  # What 256 tokens gave.
+    ChatCompressor(policy.free_text(), core_config(memory), 256)(content)

@@ -156,3 +156,24 @@ def test_each_way_of_breaking_a_response_is_caught(case):
 
 def test_parse_non_text():
   assert not parse(None).valid  # type: ignore[arg-type]
+
+
+def test_a_lone_surrogate_is_an_invalid_line_not_a_crash_later():
+  """Model output with a lone surrogate would parse, apply, then fail when
+  the bank is written; it is rejected at the line instead."""
+  text = VALID.replace("Boston", "Bos\ud800ton")
+  parsed = parse(text)
+  assert not parsed.valid
+  assert [e.message for e in parsed.errors if e.line == 0] == [
+      "not valid Unicode text"]
+
+
+def test_an_oversized_response_is_refused_without_parsing_it():
+  import time
+  from cmimem_jax.memory.dsl import MAX_RESPONSE_CHARS
+  text = "EPISODIC:ADD|x\n" * 100_000
+  assert len(text) > MAX_RESPONSE_CHARS
+  start = time.perf_counter()
+  parsed = parse(text)
+  assert time.perf_counter() - start < 0.05
+  assert not parsed.valid and "exceeds" in parsed.errors[0].message

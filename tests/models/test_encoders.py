@@ -115,7 +115,7 @@ def test_qwen3_embedding_encoder_batches_and_prefixes_queries(tmp_path):
   torch.manual_seed(2)
   transformers.Qwen3Model(config).save_pretrained(tmp_path / "emb")
   tokenizer.save_pretrained(tmp_path / "emb")  # Any tokenizer will do here.
-  encoder = Qwen3EmbeddingEncoder(str(tmp_path / "emb"), task="Find it",
+  encoder = Qwen3EmbeddingEncoder(str(tmp_path / "emb"), instruction="Find it",
                                   batch_size=2, max_length=64)
   texts = ["a beagle named Rex", "tea", "the stock market fell"]
   docs = encoder.encode(texts)

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cmimem_jax.rl import GRPOLossConfig, group_advantages, grpo_loss, k3_kl
+from cmimem_jax.rl import (GRPOLossConfig, aggregation_scale,
+                           group_advantages, grpo_loss, k3_kl)
 
 
 def test_advantages_hand_computed():
@@ -39,9 +40,9 @@ def test_k3_is_zero_at_equality_and_positive_otherwise():
 
 
 def _loss(logp, old, adv, mask, weights, config, ref=None):
-  num = jnp.sum(jnp.asarray(mask, jnp.float32))
+  scale = aggregation_scale(jnp.asarray(mask), config.aggregation)
   return grpo_loss(jnp.asarray(logp), jnp.asarray(old), jnp.asarray(adv),
-                   jnp.asarray(mask), jnp.asarray(weights), num, config,
+                   scale, jnp.asarray(weights), config,
                    ref_logprobs=None if ref is None else jnp.asarray(ref))
 
 
@@ -88,3 +89,21 @@ def test_empty_completions_give_zero_loss_not_nan():
                       zeros + 1, config, zeros)
   assert float(loss) == 0.0
   assert all(np.isfinite(float(v)) for v in stats.values())
+
+
+def test_sequence_mean_weighs_rows_not_tokens():
+  """GRPO paper: each row's tokens averaged, then the rows; verl's token
+  mean weighs a 3-token row three times a 1-token row."""
+  logp = np.log(np.array([[0.5, 0.5, 0.5], [0.5, 0.9, 0.9]]))
+  mask = np.array([[1, 1, 1], [1, 0, 0]])
+  adv = [1.0, -3.0]  # ratio 1: each token's surrogate is its advantage.
+  token, _ = _loss(logp, logp, adv, mask, np.ones((2, 3)),
+                   GRPOLossConfig(kl_beta=0.0))
+  sequence, _ = _loss(logp, logp, adv, mask, np.ones((2, 3)),
+                      GRPOLossConfig(kl_beta=0.0, aggregation="sequence_mean"))
+  np.testing.assert_allclose(token, -(3 * 1.0 - 3.0) / 4, atol=1e-7)
+  np.testing.assert_allclose(sequence, -(1.0 - 3.0) / 2, rtol=1e-6)
+  scale = aggregation_scale(jnp.asarray(mask), "sequence_mean")
+  np.testing.assert_allclose(scale, [[1 / 6] * 3, [0.5, 0, 0]], rtol=1e-6)
+  with pytest.raises(ValueError, match="aggregation"):
+    GRPOLossConfig(aggregation="sum")

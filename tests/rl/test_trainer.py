@@ -3,6 +3,7 @@ checkpoint resume."""
 
 import functools
 import glob
+import math
 import os
 
 import jax
@@ -15,8 +16,9 @@ from jax.sharding import PartitionSpec as P
 from cmimem_jax.models.qwen3 import Qwen3, preset
 from cmimem_jax.parallel import make_mesh
 from cmimem_jax.rl import (Checkpointer, GRPOLossConfig, Learner,
-                           OptimizerConfig, SFTLossConfig, TrainStepConfig,
-                           accumulated_grads, group_advantages, rollout_batch,
+                           MetricsWriter, OptimizerConfig, SFTLossConfig,
+                           TrainStepConfig, accumulated_grads,
+                           group_advantages, read_metrics, rollout_batch,
                            supervised_batch, token_logprobs)
 from cmimem_jax.sampling import Sampler, SamplingConfig
 
@@ -51,9 +53,9 @@ def synthetic_batch(step: int, rows: int = 8, prompt: int = 6,
   }
 
 
-def config(micro_batches=1, lr=1e-3, kl_beta=0.02):
+def config(micro_batches=1, lr=1e-3, kl_beta=0.02, aggregation="token_mean"):
   return TrainStepConfig(
-      loss=GRPOLossConfig(kl_beta=kl_beta),
+      loss=GRPOLossConfig(kl_beta=kl_beta, aggregation=aggregation),
       optimizer=OptimizerConfig(learning_rate=lr, grad_clip_norm=1.0),
       micro_batches=micro_batches, temperature=0.8, logprob_chunk=4)
 
@@ -103,7 +105,8 @@ def test_logprob_gradients_match_with_and_without_chunk_remat():
                                atol=1e-5)
 
 
-def test_gradient_accumulation_equals_full_batch():
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+def test_gradient_accumulation_equals_full_batch(aggregation):
   model = tiny_model()
   graphdef, state = nnx.split(model, nnx.Param)
   params = nnx.to_pure_dict(state)
@@ -111,8 +114,8 @@ def test_gradient_accumulation_equals_full_batch():
   batch = {k: jnp.asarray(v) for k, v in synthetic_batch(1).items()}
   grads = {}
   for k in (1, 4):
-    fn = jax.jit(functools.partial(accumulated_grads, graphdef, config(k),
-                                   mesh))
+    fn = jax.jit(functools.partial(
+        accumulated_grads, graphdef, config(k, aggregation=aggregation), mesh))
     grads[k], stats = fn(params, batch, params)
     assert np.isfinite(float(stats["loss"]))
   for a, b in zip(jax.tree.leaves(grads[1]), jax.tree.leaves(grads[4])):
@@ -286,6 +289,30 @@ def test_restore_params_takes_only_the_weights(tmp_path):
     Checkpointer(str(tmp_path / "empty")).restore_params(other.params)
 
 
+def test_keep_period_keeps_every_kth_step_for_selection(tmp_path):
+  """App. I evaluates the checkpoints of steps 20 and 50: with keep=2 and
+  keep_period=10, steps 10, 20 survive beside the newest two, and any kept
+  step loads by number."""
+  learner = Learner(tiny_model(), config(kl_beta=0.0), one_device_mesh())
+  ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2, keep_period=10)
+  saved = {}
+  for step in (5, 10, 15, 20, 25):
+    _train(learner, [step])
+    ckpt.save(step, learner.params, learner.opt_state, jax.random.key(0), {})
+    saved[step] = jax.device_get(learner.params)
+  ckpt.wait()
+  assert ckpt.steps() == [10, 20, 25]
+  reader = Checkpointer(str(tmp_path / "ckpt"), read_only=True)
+  step, params = reader.restore_params(learner.params, step=10)
+  assert step == 10
+  for a, b in zip(jax.tree.leaves(saved[10]),
+                  jax.tree.leaves(jax.device_get(params))):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(FileNotFoundError, match="step 15"):
+    reader.restore_params(learner.params, step=15)
+  assert reader.steps() == [10, 20, 25]  # Reading deletes nothing.
+
+
 def test_a_non_finite_step_is_skipped_and_counted():
   trainer = Learner(tiny_model(), config(), one_device_mesh())
   _train(trainer, [0])
@@ -311,6 +338,34 @@ def test_a_non_finite_step_is_skipped_and_counted():
   for a, b in zip(jax.tree.leaves(jax.device_get(fresh.params)),
                   jax.tree.leaves(jax.device_get(trainer.params))):
     np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_an_update_that_overflows_the_weights_is_skipped_too(tmp_path):
+  """Finite loss and gradients, but a learning rate that sends weights to
+  inf: the step is skipped, so no checkpoint can hold a non-finite value;
+  its metrics are logged as numbers (the non-finite ones named, not
+  null)."""
+  trainer = Learner(tiny_model(), TrainStepConfig(
+      loss=GRPOLossConfig(kl_beta=0.0),
+      optimizer=OptimizerConfig(learning_rate=1e39, grad_clip_norm=0.0)),
+                    one_device_mesh())
+  params = jax.device_get(trainer.params)
+  metrics = trainer.step(synthetic_batch(0))
+  assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])
+  assert metrics["update_skipped"] == 1.0
+  for a, b in zip(jax.tree.leaves(params),
+                  jax.tree.leaves(jax.device_get(trainer.params))):
+    np.testing.assert_array_equal(a, b)
+  writer = MetricsWriter(str(tmp_path), tensorboard=False, progress=False)
+  writer.write(1, {**metrics, "kl": float("nan")})
+  writer.close()
+  line = (tmp_path / "metrics.jsonl").read_text()
+  assert "null" not in line and "NaN" not in line
+  (record,) = read_metrics(str(tmp_path))
+  assert "kl" in record["nonfinite"]
+  assert all(math.isfinite(v) for v in record.values()
+             if isinstance(v, float))
+  assert record["update_skipped"] == 1.0
 
 
 def test_splash_train_step_on_a_mesh_equals_the_xla_step():

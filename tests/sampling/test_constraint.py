@@ -130,3 +130,25 @@ def test_states_and_budget_errors(model, tokenizer, constraint):
                                               eos_ids=(2,), pad_id=2))
   with pytest.raises(ValueError, match="first EOS id"):
     Sampler(model, SamplingConfig(eos_ids=(7,)), constraint=constraint)
+
+
+def test_free_text_calls_leave_the_grammar_and_take_their_budget(
+    tokenizer, constraint):
+  """The policy's editor calls (Listing 5 / 9) through the real sampler:
+  not bound by the DSL grammar, and as long as their budget (not the
+  policy's 256-token chat default)."""
+  # Its own weights: the module's model was donated to a learner above.
+  model = Qwen3(preset("tiny", vocab_size=len(tokenizer)), rngs=nnx.Rngs(3))
+  policy = ChatPolicy.jax(model, tokenizer, max_prompt_tokens=60,
+                          buckets=(64,), constraint=constraint)
+  messages = [[{"role": "user", "content": "Compress: Ana, nurse, Oslo"}]]
+  outputs = []
+  generate = policy.engine.generate
+  policy.engine.generate = lambda *args, **kwargs: (  # noqa: E731
+      outputs.append(generate(*args, **kwargs)) or outputs[-1])
+  (dsl,) = policy.chat_many(messages, max_tokens=80)
+  assert parse(dsl.text).valid
+  (free,) = policy.free_text().chat_many(messages, max_tokens=400)
+  # A random model over 49k tokens almost never stops early.
+  assert outputs[-1].tokens.shape[1] == 400 and outputs[-1].lengths[0] > 300
+  assert not parse(free.text).valid

@@ -6,7 +6,10 @@ import concurrent.futures
 import importlib.util
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -34,7 +37,7 @@ def serve_config():
   config.serve.update({"max_new_tokens": 8, "buckets": (64, 128),
                        "max_prompt_tokens": 128, "batch_wait_ms": 50.0,
                        "max_request_bytes": 4096, "body_timeout_s": 1.0,
-                       "idle_timeout_s": 1})
+                       "idle_timeout_s": 1, "warm_up_prompt_tokens": ()})
   return config
 
 
@@ -44,11 +47,12 @@ def server():
     yield running
 
 
-def post(url, body, key=None, raw=None):
+def post(url, body, key=None, raw=None, raw_authorization=None):
+  authorization = raw_authorization or (f"Bearer {key}" if key else None)
   request = urllib.request.Request(
       url, data=raw if raw is not None else json.dumps(body).encode(),
       headers={"Content-Type": "application/json",
-               **({"Authorization": f"Bearer {key}"} if key else {})})
+               **({"Authorization": authorization} if authorization else {})})
   try:
     with urllib.request.urlopen(request, timeout=120) as response:
       return response.status, json.loads(response.read())
@@ -61,7 +65,7 @@ def messages(i):
 
 
 def test_64_concurrent_chats_all_answered_batched_and_equal_direct(server):
-  client = OpenAIClient(EndpointConfig(base_url=server.base_url, model="m",
+  client = OpenAIClient(EndpointConfig(base_url=server.base_url, model="cmimem-local",
                                        concurrency=64, timeout_s=300,
                                        max_tokens=8, max_retries=0))
   results = client.chat_many([messages(i % 16) for i in range(64)])
@@ -79,7 +83,7 @@ def test_64_concurrent_chats_all_answered_batched_and_equal_direct(server):
 
 def test_embeddings_equal_direct_encoder_and_openai_encoder(server):
   status, body = post(server.base_url + "/embeddings",
-                      {"model": "m", "input": ["a cat", "a dog"]})
+                      {"model": "cmimem-local", "input": ["a cat", "a dog"]})
   assert status == 200
   direct = server.encoder.encode(["a cat", "a dog"])
   np.testing.assert_allclose([d["embedding"] for d in body["data"]], direct,
@@ -92,17 +96,19 @@ def test_embeddings_equal_direct_encoder_and_openai_encoder(server):
 def _remote_encoder_section(url):
   import ml_collections
   return ml_collections.ConfigDict({
-      "kind": "openai", "dim": 32, "path": "", "query_prefix": "",
-      "endpoint": {"base_url": url, "model": "m", "timeout_s": 30.0}})
+      "kind": "openai", "dim": 32, "path": "", "query_instruction": "",
+      "endpoint": {"base_url": url, "model": "cmimem-local",
+                   "timeout_s": 30.0}})
 
 
 @pytest.mark.parametrize("body,fragment", [
-    ({"model": "m"}, "'messages' must be a non-empty list"),
+    ({"model": "cmimem-local"}, "'messages' must be a non-empty list"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0]"),
     ({"messages": messages(0), "temperature": 9}, "'temperature'"),
     ({"messages": messages(0), "max_tokens": 100000}, "'max_tokens'"),
     ({"messages": [{"role": "user", "content": "word " * 400}]},
-     "exceeds rollout.max_prompt_tokens"),
+     "exceeds serve.max_prompt_tokens"),
+    ({"messages": messages(0), "stream": "false"}, "'stream' must be"),
 ])
 def test_bad_chat_requests_get_400_with_a_message(server, body, fragment):
   status, reply = post(server.base_url + "/chat/completions", body)
@@ -141,6 +147,9 @@ def test_api_key_is_enforced_on_every_route_but_health(monkeypatch, server):
       assert post(url, body, key="wrong")[0] == 401
       assert post(url, body, key="s3cret" + "x")[0] == 401
       assert post(url, body, key="s3cret")[0] == 200
+      # The scheme is case-insensitive (RFC 9110).
+      assert post(url, body, raw_authorization="bearer s3cret")[0] == 200
+      assert post(url, body, raw_authorization="s3cret")[0] == 401
     assert get(base + "/models")[0] == 401
     assert get(base + "/models", key="s3cret")[0] == 200
     assert get(base.removesuffix("/v1") + "/health") == (200,
@@ -158,6 +167,81 @@ def test_a_named_but_unset_or_empty_key_refuses_to_start(monkeypatch, value):
   config.serve.update({"api_key_env": "CMIMEM_TEST_KEY", "chat": False})
   with pytest.raises(ValueError, match="refusing to start without the key"):
     Server(config)
+
+
+def test_another_models_name_is_404_model_not_found(server):
+  for route, body in (("/chat/completions", {"messages": messages(0)}),
+                      ("/embeddings", {"input": "x"})):
+    status, reply = post(server.base_url + route,
+                         {**body, "model": "gpt-4o"})
+    assert status == 404 and reply["error"]["code"] == "model_not_found"
+    assert "'gpt-4o'" in reply["error"]["message"]
+    assert post(server.base_url + route, {**body, "model": ""})[0] == 200
+
+
+class SlowEncoder:
+  """The hashing encoder, 20 ms per call: what a neural encoder costs."""
+
+  def __init__(self, dim):
+    from cmimem_jax.encoders import HashingEncoder
+    self.inner, self.dim, self.calls = HashingEncoder(dim), dim, []
+
+  def encode(self, texts, kind="document"):
+    self.calls.append(len(texts))
+    time.sleep(0.02)
+    return self.inner.encode(texts, kind)
+
+
+def test_embedding_requests_are_bounded_and_share_the_encoder(monkeypatch):
+  """100,000 inputs (400 KB, under the body limit) are refused with a 4xx
+  at once; a request of the maximum size is encoded a chunk at a time, so
+  a one-string request sent meanwhile is answered long before it."""
+  encoder = SlowEncoder(32)
+  monkeypatch.setattr("cmimem_jax.serving.server.make_encoder",
+                      lambda section: encoder)
+  config = serve_config()
+  config.serve.update({"chat": False, "max_request_bytes": 1 << 20,
+                       "max_embedding_inputs": 256,
+                       "max_embedding_chars": 1000})
+  with Server(config) as running:
+    url = running.base_url + "/embeddings"
+    start = time.perf_counter()
+    status, reply = post(url, {"input": [""] * 100_000})
+    assert status == 413 and "serve.max_embedding_inputs" in (
+        reply["error"]["message"])
+    assert time.perf_counter() - start < 1.0
+    status, reply = post(url, {"input": ["x" * 1001]})
+    assert status == 400 and "1001 characters" in reply["error"]["message"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      big = pool.submit(post, url, {"input": [f"text {i}" for i in
+                                              range(256)]})
+      time.sleep(0.05)  # The big request is being encoded.
+      small_start = time.perf_counter()
+      small = post(url, {"input": "one"})
+      small_seconds = time.perf_counter() - small_start
+      assert small[0] == 200 and big.result()[0] == 200
+    assert len(big.result()[1]["data"]) == 256
+    # 8 chunks of 32 at 20 ms each: the small request waited for one.
+    assert small_seconds < 0.1, small_seconds
+    assert max(encoder.calls) == 32
+
+
+def test_health_and_chat_answer_503_until_the_programs_are_compiled(
+    monkeypatch):
+  release = threading.Event()
+  config = serve_config()
+  config.serve.update({"warm_up_prompt_tokens": (8,), "embeddings": False})
+  monkeypatch.setattr("cmimem_jax.serving.batcher.ChatBatcher.warm_up",
+                      lambda self, tokens: release.wait(30))
+  with Server(config) as warming:
+    health = warming.base_url.removesuffix("/v1") + "/health"
+    assert get(health) == (503, {"status": "warming_up"})
+    status, reply = post(warming.base_url + "/chat/completions",
+                         {"messages": messages(0)})
+    assert status == 503 and "compiling" in reply["error"]["message"]
+    release.set()
+    warming.ready.wait(10)
+    assert get(health) == (200, {"status": "ok"})
 
 
 def test_models_and_health(server):
@@ -191,7 +275,7 @@ def test_stream_sends_openai_chunks_with_the_same_text(server):
   import openai
   client = openai.OpenAI(base_url=server.base_url, api_key="unused")
   streamed = client.chat.completions.create(
-      model="m", messages=messages(5), max_tokens=6, stream=True)
+      model="cmimem-local", messages=messages(5), max_tokens=6, stream=True)
   assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
 
 
@@ -354,3 +438,80 @@ def test_load_256_mixed_chats_with_idle_and_oversized_clients(server,
   assert compiles.count == compiled
   assert threading.active_count() == threads
   assert rss_bytes() - memory < 64 << 20
+
+
+@pytest.mark.slow
+def test_our_evaluation_against_our_server_with_the_cpu_defaults(
+    locomo_path, tmp_path):
+  """The README's "local answer model / judge": `evaluate` with an LLM
+  answer model and judge, both our server on `configs/serve_cpu.py` (the
+  embedded SmolLM2), the CPU endpoint defaults of `configs/eval_cpu.py`:
+  every question of a LoCoMo slice answered and judged, no call timing
+  out, even from a cold server (its warm-up, 160 s on 2 cores, is left
+  out here: each program then compiles on first use, within the client's
+  timeout). SmolLM2-135M rarely writes a Listing 11 verdict our judge
+  can read: those are counted (`unparseable_verdict`), never scored."""
+  from cmimem_jax.evaluation.run import evaluate
+  spec = importlib.util.spec_from_file_location(
+      "serve_cpu", os.path.join(ROOT, "configs", "serve_cpu.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  config.serve.update({"embeddings": False, "warm_up_prompt_tokens": ()})
+  with Server(config) as served:
+    assert served.ready.wait(60)
+    spec = importlib.util.spec_from_file_location(
+        "eval_cpu", os.path.join(ROOT, "configs", "eval_cpu.py"))
+    eval_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(eval_module)
+    evaluation = eval_module.get_config()
+    evaluation.dataset.path = locomo_path
+    evaluation.encoder.update({"kind": "hashing", "dim": 256})
+    evaluation.update({"limit": 8, "rag_top_k": 5})
+    evaluation.judge.kind = "llm"
+    evaluation.answer.kind = "endpoint"
+    for section in (evaluation.answer.endpoint, evaluation.judge.endpoint):
+      section.update({"base_url": served.base_url, "model": "cmimem-local",
+                      "max_retries": 0})
+    result = evaluate(evaluation, str(tmp_path))
+  calls = result["call_failures"]
+  assert result["n"] == 8
+  assert calls["answer"] == {"failed_attempts": {}, "failed_calls": {}}
+  assert calls["judge"]["failed_attempts"] == {}
+  assert set(calls["judge"]["failed_calls"]) <= {"unparseable_verdict"}
+  records = [json.loads(line) for line in
+             (tmp_path / "predictions.jsonl").read_text().splitlines()]
+  assert len(records) == 8 and all(r["prediction"] for r in records)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_server_within_seconds_mid_generation():
+  """A long generate call in flight (32,000 tokens of the tiny model): the
+  server answers SIGTERM by exiting within seconds, not after the call."""
+  command = [
+      sys.executable, "-m", "cmimem_jax.serve",
+      "--config=configs/serve_cpu.py", "--port=0",
+      "--config.policy.source=random", "--config.policy.preset=tiny",
+      "--config.policy.max_position_embeddings=33000",
+      "--config.encoder.kind=hashing", "--config.encoder.dim=32",
+      "--config.serve.max_new_tokens=32000", "--config.serve.buckets=(64,)",
+      "--config.serve.max_prompt_tokens=64",
+      "--config.serve.warm_up_prompt_tokens=()"]
+  server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+  try:
+    line = server.stdout.readline()
+    assert line.startswith("serving at "), server.stderr.read()[-2000:]
+    url = line.split()[-1]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      pool.submit(post, url + "/chat/completions",
+                  {"messages": messages(0), "max_tokens": 32000})
+      time.sleep(5)  # Compiled and decoding.
+      start = time.monotonic()
+      server.send_signal(signal.SIGTERM)
+      server.wait(timeout=30)
+      assert time.monotonic() - start < 10
+  finally:
+    server.kill()
+  # uvicorn re-raises SIGTERM once it has shut down: the signal's own exit.
+  assert server.returncode == -signal.SIGTERM

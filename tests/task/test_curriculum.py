@@ -1,7 +1,5 @@
 """Eq. 14 curriculum: tiers, ordering, coverage of every tier."""
 
-import collections
-
 import pytest
 
 from cmimem_jax.task.curriculum import (Curriculum, SessionRef,
@@ -27,37 +25,64 @@ def test_tiers_are_percentiles_sorted_ascending():
   assert flat == sorted(flat)  # Tier i is entirely easier than tier i+1.
 
 
-def test_every_batch_covers_every_tier_in_ascending_order():
-  curriculum = Curriculum(refs(20), batch_size=6, tiers=3)
-  tier_of = {id(s): i for i, t in enumerate(curriculum.tiers) for s in t}
-  seen = [[] for _ in curriculum.tiers]
-  for step in range(curriculum.steps_per_epoch):
-    batch = curriculum.batch(step)
-    assert len(batch) == 6 and len({id(s) for s in batch}) == 6
-    tiers = [tier_of[id(s)] for s in batch]
-    assert sorted(set(tiers)) == [0, 1, 2]
-    for j, (s, tier) in enumerate(zip(batch, tiers)):
-      seen[tier].append((j, s))
-  # One epoch (24 picks for 20 sessions) visits every session.
-  for tier, visits in zip(curriculum.tiers, seen):
-    assert {id(s) for _, s in visits} == {id(s) for s in tier}
+def _tier_of(curriculum):
+  return {(s.dialogue, s.session): i for i, t in enumerate(curriculum.tiers)
+          for s in t}
 
 
-def test_difficulty_rises_across_epochs_not_per_epoch():
-  """Eq. 14 across the run: each tier is walked once over all epochs, a
-  session's visits on consecutive steps, so the mean difficulty of a batch
-  never falls (per-epoch cycling fell back to the easiest at each epoch)."""
-  curriculum = Curriculum(refs(30), batch_size=6, tiers=3, epochs=3)
-  assert curriculum.planned_steps == 15
-  means = [sum(s.difficulty for s in curriculum.batch(step)) / 6
-           for step in range(curriculum.planned_steps)]
-  assert means == sorted(means) and means[-1] > means[0]
-  visits = collections.Counter(
-      (s.dialogue, s.session) for step in range(15)
-      for s in curriculum.batch(step))
-  assert set(visits.values()) == {3}  # Every session once per epoch.
-  # Past the plan it starts again; the plan does not depend on max_steps.
-  assert curriculum.batch(15) == curriculum.batch(0)
+def _key(s):
+  return (s.dialogue, s.session)
+
+
+def test_an_epoch_is_a_pass_over_every_session():
+  """The issue's setting: 60 sessions, batch 6, 3 tiers, 5 epochs (as
+  verl's 5 passes over the sorted data): every epoch's batches hold each
+  session exactly once, every batch holds every tier, each tier is walked
+  ascending again in every pass, and no session is in two consecutive
+  batches."""
+  sessions = [SessionRef(i % 7, i, float((i * 37) % 60)) for i in range(60)]
+  curriculum = Curriculum(sessions, batch_size=6, tiers=3, epochs=5)
+  assert curriculum.planned_steps == 50 and curriculum.steps_per_epoch == 10
+  tier_of = _tier_of(curriculum)
+  batches = [curriculum.batch(step) for step in range(50)]
+  for epoch in range(5):
+    picks = [_key(s) for b in batches[10 * epoch:10 * epoch + 10] for s in b]
+    assert sorted(picks) == sorted(_key(s) for s in sessions)  # Once each.
+    assert {curriculum.epoch(s) for s in range(10 * epoch, 10 * epoch + 10)
+            } == {epoch}
+    for tier in range(3):  # Ascending within the tier, again each pass.
+      walked = [s.difficulty for b in batches[10 * epoch:10 * epoch + 10]
+                for s in b if tier_of[_key(s)] == tier]
+      assert walked == sorted(walked) and len(walked) == 20
+  for previous, batch in zip(batches, batches[1:]):
+    assert not {_key(s) for s in previous} & {_key(s) for s in batch}
+    assert {tier_of[_key(s)] for s in batch} == {0, 1, 2}
+  # Epoch 2 starts from the easiest sessions of every tier again.
+  assert batches[20] == batches[0]
+
+
+@pytest.mark.parametrize("num_sessions,batch_size,tiers", [
+    (20, 6, 3), (23, 6, 3), (41, 8, 4), (13, 4, 2), (50, 32, 3)])
+def test_uneven_sizes_keep_every_property_a_pass_allows(num_sessions,
+                                                        batch_size, tiers):
+  """Sessions that do not fill whole batches: a batch straddles two passes
+  (nothing dropped or doubled); with batch >= 2 x tiers every batch still
+  holds every tier; with >= 2 batches of sessions none repeats on
+  consecutive steps."""
+  curriculum = Curriculum(refs(num_sessions), batch_size, tiers, epochs=3)
+  tier_of = _tier_of(curriculum)
+  stream = [_key(s) for step in range(curriculum.planned_steps)
+            for s in curriculum.batch(step)]
+  for epoch in range(3):
+    one_pass = stream[epoch * num_sessions:(epoch + 1) * num_sessions]
+    assert sorted(one_pass) == sorted(_key(s) for s in refs(num_sessions))
+  batches = [curriculum.batch(step)
+             for step in range(curriculum.planned_steps)]
+  for previous, batch in zip(batches, batches[1:]):
+    assert len({_key(s) for s in batch}) == batch_size
+    assert {tier_of[_key(s)] for s in batch} == set(range(tiers))
+    if num_sessions >= 2 * batch_size:
+      assert not {_key(s) for s in previous} & {_key(s) for s in batch}
 
 
 def test_candidate_fragments_count_sentences_that_carry_facts():
@@ -71,12 +96,16 @@ def test_candidate_fragments_count_sentences_that_carry_facts():
 def test_batches_are_a_pure_function_of_the_step():
   a, b = Curriculum(refs(11), 3), Curriculum(list(reversed(refs(11))), 3)
   assert [a.batch(s) for s in range(9)] == [b.batch(s) for s in range(9)]
-  assert a.steps_per_epoch == 4 and a.epoch(4) == 1
+  # 11 sessions in batches of 3: step 3's batch starts at position 9, still
+  # in pass 0; step 4 starts pass 1.
+  assert (a.epoch(3), a.epoch(4), a.planned_steps) == (0, 1, 4)
 
 
 def test_rejects_impossible_settings():
   with pytest.raises(ValueError, match="tiers"):
     Curriculum(refs(5), batch_size=2, tiers=3)
+  with pytest.raises(ValueError, match="distinct"):
+    Curriculum(refs(5), batch_size=6, tiers=3)
   with pytest.raises(ValueError, match="at least one"):
     Curriculum([], batch_size=3)
   with pytest.raises(ValueError, match="epoch"):

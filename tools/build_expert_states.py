@@ -1,0 +1,103 @@
+"""Builds the fixed expert memory states M_{t-1} that the paper's GRPO run
+trains on (its data was "synthesized by deepseek-v4-pro following the
+protocol of Shen et al. (2026)": MemBuilder's `state_before` of each
+session), with any OpenAI-compatible teacher model.
+
+  python tools/build_expert_states.py --config=configs/qwen3_4b.py \
+      --config.dataset.path=/data/longmemeval_rl_qa.json \
+      --config.encoder.path=/ckpt/Qwen3-Embedding-0.6B \
+      --output=/data/expert_states --base_url=https://HOST/v1 \
+      --model=deepseek-v4-pro [--format=agents|dsl]
+  python -m cmimem_jax.train --config=configs/qwen3_4b_tpu.py \
+      --config.rl.snapshots=/data/expert_states ...
+
+The teacher answers the four JSON agent prompts (Listings 1-4, MemBuilder's
+protocol; `--format=agents`) or the policy's DSL prompt (Listings 6-7;
+`--format=dsl`) for each session of the config's training dialogues, and
+each state is saved as soon as it exists in the snapshot format the
+trainer reads (`DIR/<dialogue_id>/s<t>/`). A rerun continues where the
+last one stopped; rejected (invalid) teacher responses leave the state
+unchanged and are counted, every response is kept in `teacher.jsonl`.
+The encoder of the config embeds the entries: train with the same one.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from absl import app, flags  # noqa: E402
+
+from cmimem_jax.client import EndpointConfig, OpenAIClient  # noqa: E402
+from cmimem_jax.config import run_command, validate_config  # noqa: E402
+from cmimem_jax.encoders import encoder_identity, make_encoder  # noqa: E402
+from cmimem_jax.evaluation.builders import (agents_responder,  # noqa: E402
+                                            policy_responder)
+from cmimem_jax.memory.compression import memory_editors  # noqa: E402
+from cmimem_jax.task.loop import training_dialogues  # noqa: E402
+from cmimem_jax.task.snapshots import build_expert_snapshots  # noqa: E402
+
+FORMATS = ("agents", "dsl")
+
+flags.DEFINE_string("output", None, "Directory of the expert states.")
+flags.DEFINE_string("base_url", None, "The teacher's OpenAI-compatible URL.")
+flags.DEFINE_string("model", None, "The teacher model's name.")
+flags.DEFINE_enum("format", "agents", FORMATS,
+                  "agents: Listings 1-4 (MemBuilder); dsl: Listings 6-7.")
+flags.DEFINE_string("api_key_env", "OPENAI_API_KEY",
+                    "Environment variable holding the teacher's API key.")
+flags.DEFINE_integer("max_tokens", 6000, "Teacher answer budget (tokens).")
+flags.DEFINE_integer("concurrency", 4, "Agent calls in flight at once.")
+flags.DEFINE_float("timeout_s", 300.0, "Per-call timeout of the teacher.")
+
+
+def build(config, output: str, teacher, teacher_name: str,
+          answer_format: str) -> dict:
+  """Builds (or continues) the expert states of `config`'s training
+  dialogues in `output` with the `teacher` ChatModel; returns the counts."""
+  validate_config(config, required=("dataset", "encoder", "memory"))
+  if answer_format not in FORMATS:
+    raise ValueError(f"format must be one of {FORMATS}")
+  encoder = make_encoder(config.encoder)
+  dialogues = training_dialogues(config.dataset)
+  failures: collections.Counter[str] = collections.Counter()
+  top_k = config.rollout.retrieval_top_k
+  respond = (agents_responder(teacher, encoder, top_k,
+                              config.memory.core_cap_chars, failures)
+             if answer_format == "agents" else
+             policy_responder(teacher, encoder, top_k, failures))
+  # The teacher stands in for the policy (and any answer model) when the
+  # memory settings ask a model to compress the core or summarise merges.
+  editors = memory_editors(config.memory, {"policy": teacher,
+                                           "answer": teacher})
+  settings = {"encoder": encoder_identity(config.encoder),
+              "memory": config.memory.to_dict(),
+              "teacher": {"model": teacher_name, "format": answer_format},
+              "dataset": {"name": config.dataset.name,
+                          "file": os.path.abspath(config.dataset.path),
+                          "split": config.dataset.get("split", "")}}
+  counts = build_expert_snapshots(dialogues, respond, encoder, config.memory,
+                                  output, settings, editors)
+  return {"output": output, **counts, "failed_calls": dict(failures)}
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  for name in ("output", "base_url", "model"):
+    if not getattr(flags.FLAGS, name):
+      raise app.UsageError(f"--{name} is required")
+  teacher = OpenAIClient(EndpointConfig(
+      base_url=flags.FLAGS.base_url, model=flags.FLAGS.model,
+      api_key_env=flags.FLAGS.api_key_env, timeout_s=flags.FLAGS.timeout_s,
+      concurrency=flags.FLAGS.concurrency,
+      max_tokens=flags.FLAGS.max_tokens))
+  print(json.dumps(build(flags.FLAGS.config, flags.FLAGS.output, teacher,
+                         flags.FLAGS.model, flags.FLAGS.format)))
+
+
+if __name__ == "__main__":
+  run_command(main, workdir=False)
