@@ -33,7 +33,11 @@ setuptools.setup(
             "accelerate>=1.0",  # transformers needs it to load GGUF files.
             # tools/plan.py compiles for TPU topologies in the tests.
             "jax[tpu]",
+            # tools/bench.py grpo_step's peer, exercised by the tests.
+            "trl==1.16.0",
         ],
+        # The peers of tools/bench.py that the runtime never imports.
+        "bench": ["torch==2.13.0", "trl==1.16.0"],
         # libtpu: run on TPUs, or compile for them anywhere (tools/plan.py).
         "tpu": ["jax[tpu]"],
     },

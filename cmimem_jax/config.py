@@ -81,7 +81,7 @@ def _check_dataset(c: _Checker) -> None:
   c.check("dataset.name", lambda v: v in DATASETS, f"one of {DATASETS}")
   c.check("dataset.path", lambda v: isinstance(v, str) and os.path.exists(v),
           "an existing file (see README for where the benchmarks live)")
-  if c.get("dataset.split") is not None:
+  if c.get("dataset.split") is not _MISSING:
     c.check("dataset.split", lambda v: v in DATASET_SPLITS,
             f"one of {DATASET_SPLITS} ('': the job's default)")
     if c.get("dataset.split") not in ("", "all") and (
@@ -257,7 +257,8 @@ def run_command(main: Callable[[list[str]], None], workdir: bool = True
   exits: 2 for usage (a flag, an override, the config: `ConfigError`),
   1 for data, workdir and runtime errors (`ValueError`, `OSError`,
   `RuntimeError`); a job stopped by SIGTERM / SIGINT exits 128 + signal.
-  `--verbosity=1` or `CMIMEM_TRACEBACK=1` shows the traceback instead."""
+  `--verbosity=1` or `CMIMEM_TRACEBACK=1` shows the traceback instead.
+  Logs below WARNING are off unless `--verbosity` is given."""
   import sys
   from absl import app, flags
   define_command_line_flags(workdir)
@@ -265,6 +266,11 @@ def run_command(main: Callable[[list[str]], None], workdir: bool = True
   def parse(argv: list[str]) -> list[str]:
     try:
       rest = flags.FLAGS(argv)
+      if not any(a.startswith(("--verbosity", "-v")) for a in argv[1:]):
+        # Our progress and summaries only; --verbosity=0 brings back the
+        # INFO logs (ours, orbax's, ...).
+        from absl import logging
+        logging.set_verbosity(logging.WARNING)
       config = flags.FLAGS.config  # Loads the file: a bad one fails here.
       if config is None:
         raise app.UsageError("--config=FILE is required")

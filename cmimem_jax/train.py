@@ -3,6 +3,8 @@
   python -m cmimem_jax.train --config=configs/tiny.py --workdir=DIR
 """
 
+import functools
+
 from absl import app, flags
 
 from cmimem_jax.config import run_command
@@ -13,7 +15,8 @@ def main(argv: list[str]) -> None:
   del argv
   if not flags.FLAGS.workdir:
     raise app.UsageError("--workdir is required")
-  print(train(flags.FLAGS.config, flags.FLAGS.workdir))
+  echo = functools.partial(print, flush=True)
+  print(train(flags.FLAGS.config, flags.FLAGS.workdir, echo=echo))
 
 
 if __name__ == "__main__":

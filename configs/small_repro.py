@@ -33,7 +33,10 @@ def get_config() -> ml_collections.ConfigDict:
       "weight_decay": 0.0, "grad_clip_norm": 1.0,
       "max_prompt_tokens": 2048, "max_response_tokens": 384,
       "buckets": (1024, 1536, 2048), "logprob_chunk": 128})
-  config.rl.update({"max_steps": 6})
+  # Two held-out training sessions scored every 2 steps: the validation
+  # curve (validation.png) that picks a checkpoint or learning rate.
+  config.rl.update({"max_steps": 6, "validation_sessions": 2,
+                    "eval_every": 2})
   config.repro = ml_collections.ConfigDict({
       "locomo": "../shared/data/locomo/locomo10.json",
       "teacher_dialogues": "0:8", "eval_dialogues": "8:10"})

@@ -80,7 +80,10 @@ def get_config() -> ml_collections.ConfigDict:
       # tools/build_expert_states.py).
       "snapshots": "policy",
       "snapshot_refresh_epochs": 1,
-      "curriculum_weights": (1.0, 1.0, 1.0), "curriculum_tiers": 3})
+      "curriculum_weights": (1.0, 1.0, 1.0), "curriculum_tiers": 3,
+      # Held-out sessions (never trained on) answered greedily and scored
+      # every eval_every steps (and at the last): eval/* in metrics.jsonl.
+      "validation_sessions": 0, "eval_every": 0})
   # keep: the newest checkpoints; keep_period > 0 also keeps every step
   # divisible by it (checkpoint selection by step, App. I).
   config.checkpoint = ml_collections.ConfigDict(

@@ -54,3 +54,15 @@ def test_cmi_scenarios_agree_with_peers():
   assert workload["max_abs_reward_diff_vs_numpy_loop"] < 1e-6
   for row in (kernel, workload):
     assert _positive(row["speedup_vs_torch_batched"])
+
+
+@pytest.mark.slow
+def test_grpo_step_against_trl_does_the_same_work():
+  (row,) = _bench("grpo_step", "--layers=1", "--prompts=2", "--group=2",
+                  "--new_tokens=8", "--steps=1", "--devices=2")
+  assert row["same_work"] and row["layers"] == 1
+  assert row["ours"]["tokens"] == 2 * 2 * 8 and row["ours"]["rows"] == 4
+  for side in ("ours", "trl"):
+    assert all(_positive(row[side][k]) for k in ("rollout_s", "update_s",
+                                                 "step_s"))
+  assert _positive(row["vs_trl"])

@@ -66,3 +66,15 @@ def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
   with pytest.raises(SystemExit, match="v5p-8"):
     plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py",
                "--topology=v7x-8"])
+
+
+def test_plan_compiles_the_cmi_kernel_for_a_v5p_8():
+  pytest.importorskip("libtpu", reason="the TPU extra is not installed")
+  (row,) = plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py",
+                      "--topology=v5p-8", "--programs=cmi_kernel",
+                      "--batch=16", "--cmi_shape=8,128"])
+  assert row["program"] == "cmi_kernel" and row["cmi_shape"] == [8, 128]
+  assert row["global_batch"] == 16 * row["devices"]
+  assert row["total_gib"] > 0 and row["fits"] is True
+  assert row["bound"] in ("compute", "memory")
+  assert "layers" not in row and "length" not in row

@@ -36,11 +36,16 @@ def test_plots_are_written_and_counts_stay_off_the_reward_axes(tmp_path):
          "response_tokens_mean": 60.0, "kl": 0.01 * s,
          "reward_group_std": 0.05} for s in (1, 2, 3)]
   sft = [{"step": s, "nll": 2.0 / s} for s in (1, 2)]
+  assert reproduce.plot_training(rl, sft, str(tmp_path)) == [
+      "reward_terms.png", "rollout_stats.png", "warm_start_loss.png"]
+  for s in (2, 3):  # Validated every 2 steps and at the last.
+    rl[s - 1].update({"eval/reward": 0.3, "eval/qa": 0.2, "eval/cmi": 0.1,
+                      "eval/sessions": 2})
   names = reproduce.plot_training(rl, sft, str(tmp_path))
   assert names == ["reward_terms.png", "rollout_stats.png",
-                   "warm_start_loss.png"]
+                   "validation.png", "warm_start_loss.png"]
   for name in names:
     assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
   assert reproduce.reward_terms(rl) == ["reward/cmi", "reward/qa"]
   assert reproduce.plot_training(rl, [], str(tmp_path))[-1] == (
-      "rollout_stats.png")
+      "validation.png")

@@ -39,8 +39,18 @@ def tiny_config(**overrides):
   return apply_overrides(config, overrides)
 
 
+VALIDATION = {"rl.validation_sessions": 2, "rl.eval_every": 2}
+
+
 def test_tiny_run_writes_checkpoints_and_resumes(tmp_path):
-  first = Trainer(tiny_config(), str(tmp_path))
+  """Also the validation curve: two held-out sessions, never in a training
+  batch, scored every 2 steps and at the last."""
+  first = Trainer(tiny_config(**VALIDATION), str(tmp_path))
+  held_out = {(r.dialogue, r.session) for r in first.validation}
+  assert len(held_out) == 2
+  assert not held_out & {(r.dialogue, r.session)
+                         for step in range(first.curriculum.planned_steps)
+                         for r in first.curriculum.batch(step)}
   assert first.resumed_from is None
   history = first.run()
   assert len(history) == 2
@@ -51,11 +61,17 @@ def test_tiny_run_writes_checkpoints_and_resumes(tmp_path):
     assert np.isfinite(m["loss"]) and "reward/cmi" in m and "kl" in m
     assert len(m["sessions"]) == 3
 
-  resumed = Trainer(tiny_config(**{"rl.max_steps": 3}), str(tmp_path))
+  resumed = Trainer(tiny_config(**VALIDATION, **{"rl.max_steps": 3}),
+                    str(tmp_path))
   assert resumed.resumed_from == 2 and resumed.loop["step"] == 2
+  assert resumed.validation == first.validation
   resumed.run()
   metrics = read_metrics(str(tmp_path))
   assert [m["step"] for m in metrics] == [1, 2, 3]
+  assert ["eval/reward" in m for m in metrics] == [False, True, True]
+  assert all(m["eval/sessions"] == 2 for m in metrics[1:])
+  names = {f"{resumed.dialogues[d].dialogue_id}/{t}" for d, t in held_out}
+  assert not names & {s for m in metrics for s in m["sessions"]}
   # Same curriculum position: step 3 trains on the curriculum's batch 2.
   want = [f"{resumed.dialogues[r.dialogue].dialogue_id}/{r.session}"
           for r in resumed.curriculum.batch(2)]
@@ -181,8 +197,13 @@ def test_cli_demo_summary(tmp_path):
        "--config.tensorboard=False"],
       cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "CMI-Mem training summary" in result.stdout
-  assert "operations before training" in result.stdout
+  out = result.stdout
+  assert "CMI-Mem training summary" in out
+  # Progress while it works, then the reward table and the memory view.
+  assert "loading the policy" in out and "step 1/1: reward" in out
+  assert "group spread" in out and "memory written before training:" in out
+  assert "memory written after training:" in out
+  assert "INFO" not in result.stderr  # Third-party logs are off by default.
   summary = json.loads(result.stdout.strip().splitlines()[-1])
   assert summary["steps"] == 1 and summary["resumed_from"] is None
   assert (tmp_path / "demo_before.txt").exists()

@@ -97,6 +97,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
   grpo.add_argument("--top_p", type=float, default=1.0)
   grpo.add_argument("--kl_beta", type=float, default=0.02)
   grpo.add_argument("--learning_rate", type=float, default=1e-6)
+  grpo.add_argument("--layers", type=int, default=0,
+                    help="keep the first N decoder layers (0: all 30)")
   grpo.add_argument("--devices", type=int, default=os.cpu_count() or 1,
                     help="CPU devices our step shards its rows over")
   return parser.parse_args(argv)
@@ -532,9 +534,9 @@ GRPO_PROMPTS = (
 
 
 def shared_reward(text: str) -> float:
-  """The reward both sides score with: distinct words, capped (cheap, and
-  it differs within a group)."""
-  return min(len(set(text.lower().split())), 32) / 32.0
+  """The reward both sides score with: distinct words per possible word
+  (cheap, and it differs within a group; a token spells at most a word)."""
+  return min(len(set(text.lower().split())), ARGS.new_tokens) / ARGS.new_tokens
 
 
 def _grpo_prompts() -> list[list[dict[str, str]]]:
@@ -643,7 +645,7 @@ def _trl_grpo(directory: str, tokenizer) -> dict:
       scale_rewards="group", learning_rate=ARGS.learning_rate,
       lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
       adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
-      max_steps=ARGS.steps + 1, logging_steps=1, save_strategy="no",
+      max_steps=ARGS.steps + 1, logging_strategy="no", save_strategy="no",
       disable_tqdm=True, dataloader_num_workers=0, shuffle_dataset=False)
   dataset = datasets.Dataset.from_dict(
       {"prompt": _grpo_prompts() * (ARGS.steps + 1)})
@@ -652,6 +654,8 @@ def _trl_grpo(directory: str, tokenizer) -> dict:
   trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=config,
                             train_dataset=dataset, processing_class=tokenizer,
                             callbacks=[StepTimer()])
+  # Its end-of-training summary dict would land among our JSON lines.
+  trainer.remove_callback(transformers.PrinterCallback)
   trainer._generate = timed(trainer._generate, "rollout_s")
   trainer._calculate_rewards = timed(trainer._calculate_rewards, "scoring_s")
   trainer.train()
@@ -669,7 +673,8 @@ def run_grpo_step() -> None:
   tokenizer = load_tokenizer("")
   if tokenizer.pad_token is None:
     tokenizer.pad_token = tokenizer.eos_token
-  model = load_gguf(smollm2_gguf_path())
+  model = load_gguf(smollm2_gguf_path(), **(
+      {"num_hidden_layers": ARGS.layers} if ARGS.layers else {}))
   with tempfile.TemporaryDirectory() as directory:
     # The same float32 weights on both sides: ours, saved for transformers.
     save_hf(model, directory)
@@ -678,6 +683,7 @@ def run_grpo_step() -> None:
     ours = _ours_grpo(model, tokenizer)
   print(json.dumps({
       "scenario": "grpo_step", "model": "smollm2_135m",
+      "layers": model.config.num_hidden_layers,
       "prompts": ARGS.prompts, "group": ARGS.group,
       "new_tokens": ARGS.new_tokens, "kl_beta": ARGS.kl_beta,
       "devices": len(jax.devices()), "torch_threads": torch.get_num_threads(),

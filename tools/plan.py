@@ -18,7 +18,10 @@ prints one JSON line per program:
   model into their shared prompt KV cache, last-position logits;
 * `rollout_decode`: one decoding step of the `rollout.num_rollouts` rows
   of each prompt, over the shared prompt cache and the rows' own caches
-  sized for `max_new_tokens` (`sampling.Sampler`'s layout).
+  sized for `max_new_tokens` (`sampling.Sampler`'s layout);
+* `cmi_kernel` (not among the defaults): `residual_cmi` for `--batch`
+  rows per chip of `--cmi_shape` N,d memories (the batch sharded over every
+  chip), float32.
 
 Each line has XLA's per-chip memory (arguments, temporaries, outputs,
 aliased, total) and `fits` against the chip's HBM, XLA's FLOPs and bytes
@@ -111,6 +114,8 @@ def _args(argv):
                       "chip's HBM; cpu: 16,32,95)")
   parser.add_argument("--layers", type=int, default=0,
                       help="override the layer count (smoke tests)")
+  parser.add_argument("--cmi_shape", default="20,1024",
+                      help="N,d of the cmi_kernel program's memories")
   parser.add_argument("--markdown", action="store_true",
                       help="also print the compiled programs as a table")
   return parser.parse_args(argv)
@@ -174,6 +179,11 @@ def step_cost(c, program: str, rows: int, length: int, completion: int,
     flops = L * rows * (layer * prompt + attend(prompt, prompt / 2)) + (
         rows * head)
     return flops, weights + rows * prompt * cache_per_token
+  if program == "cmi_kernel":  # `length` = N, `completion` = d.
+    n, d = length, completion
+    # The Gram of N + 2 rows, the anchored products, float32 reads.
+    return (2.0 * rows * d * ((n + 2) ** 2 + 2 * n + 4),
+            4.0 * rows * d * (n + 2))
   # rollout_decode: one token per row over its prompt's and its own cache.
   decoded = rows * group
   flops = L * decoded * (layer + attend(1, length)) + decoded * head
@@ -328,8 +338,17 @@ def main(argv=None) -> list[dict]:
         abstract_cache(rows, completion),
         jax.ShapeDtypeStruct((), jnp.int32))
 
+  def cmi_kernel(batch: int, n: int, d: int):
+    from cmimem_jax.cmi.kernel import residual_cmi_unchecked
+    vectors = jax.ShapeDtypeStruct((batch, d), jnp.float32, sharding=(
+        NamedSharding(mesh, P(BATCH_AXES, None))))
+    return jax.jit(residual_cmi_unchecked).lower(
+        vectors, vectors, spec(jnp.float32, batch, n, d),
+        spec(jnp.bool_, batch, n))
+
   programs: dict[str, Callable] = {"train": train, "rollout_prefill": prefill,
-                                   "rollout_decode": decode}
+                                   "rollout_decode": decode,
+                                   "cmi_kernel": cmi_kernel}
   names = [p for p in args.programs.split(",") if p]
   unknown = set(names) - set(programs)
   if unknown:
@@ -342,37 +361,45 @@ def main(argv=None) -> list[dict]:
              else [chip.hbm_gib] if chip else [16.0, 32.0, 95.0])
   per_chip = [int(b) for b in args.batch.split(",")]
   rows = []
+  cmi_n, cmi_d = (int(x) for x in args.cmi_shape.split(","))
   for length in lengths:
     completion = args.completion or min(rollout.max_new_tokens, length // 4)
     for name in names:
+      # The cmi_kernel program's own shape (N, d) in the same two slots.
+      shape = ((cmi_n, cmi_d) if name == "cmi_kernel"
+               else (length, completion))
       points = []
       for rows_per_chip in per_chip:
         start = time.perf_counter()
         # The mesh in context: the splash kernel shards itself over it.
         with jax.set_mesh(mesh):
-          lowered = programs[name](rows_per_chip * shards, length, completion)
+          lowered = programs[name](rows_per_chip * shards, *shape)
           # Decoding attends over the cache on the XLA path.
           impl = ("cached_xla" if name == "rollout_decode" else resolve_impl(
               model_config.attention_impl, length, model_config.compute_dtype))
           try:
             measured = measure(lowered.compile(), chip, step_cost(
-                model_config, name, rows_per_chip, length, completion,
-                passes, group))
+                model_config, name, rows_per_chip, *shape, passes, group))
           except jax.errors.JaxRuntimeError as e:
             # The TPU compiler refuses a program over its HBM.
             if "RESOURCE_EXHAUSTED" not in str(e):
               raise
             measured = {"fits": False, "error": str(e).splitlines()[0][:300]}
+        model_fields = ({"cmi_shape": list(shape)}
+                        if name == "cmi_kernel" else
+                        {"layers": model_config.num_hidden_layers,
+                         "attention_impl": impl})
         row = {"program": name, "topology": args.topology,
                "device_kind": devices[0].device_kind,
                "devices": len(devices), "mesh": dict(mesh.shape),
-               "layers": model_config.num_hidden_layers,
-               "attention_impl": impl,
+               **model_fields,
                "rows_per_chip": rows_per_chip,
                **({"rollouts_per_prompt": group}
                   if name == "rollout_decode" else {}),
-               "global_batch": rows_per_chip * shards, "length": length,
-               "completion": completion, **measured,
+               "global_batch": rows_per_chip * shards,
+               **({} if name == "cmi_kernel" else
+                  {"length": length, "completion": completion}),
+               **measured,
                "compile_s": round(time.perf_counter() - start, 1)}
         if "total_gib" in row:
           points.append((rows_per_chip, row["total_gib"]))

@@ -61,8 +61,9 @@ def reward_terms(rl_metrics: list[dict]) -> list[str]:
 
 def plot_training(rl_metrics: list[dict], sft_metrics: list[dict],
                   directory: str) -> list[str]:
-  """The PNGs: reward terms, validity / length / KL per GRPO step, and the
-  warm-start loss. Returns their file names."""
+  """The PNGs: reward terms, validity / length / KL per GRPO step, the
+  validation curve (when the run held sessions out) and the warm-start
+  loss. Returns their file names."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -90,6 +91,19 @@ def plot_training(rl_metrics: list[dict], sft_metrics: list[dict],
   fig.tight_layout()
   fig.savefig(os.path.join(directory, "rollout_stats.png"), dpi=120)
   names.append("rollout_stats.png")
+  validated = [m for m in rl_metrics if "eval/reward" in m]
+  if validated:  # The held-out sessions (`rl.validation_sessions`).
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for key in ("eval/reward", "eval/qa", "eval/cmi"):
+      ax.plot([m["step"] for m in validated], [m[key] for m in validated],
+              marker="o", label=key.removeprefix("eval/"))
+    ax.set(xlabel="GRPO step", ylabel="greedy, mean over sessions",
+           title=f"Validation ({validated[-1]['eval/sessions']} held-out "
+                 "sessions)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(directory, "validation.png"), dpi=120)
+    names.append("validation.png")
   if sft_metrics:
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.plot([m["step"] for m in sft_metrics],

@@ -7,22 +7,33 @@ memories `M` (`[N, d]`, masked rows zero):
     r = e - Mᵀ G⁻¹ M e                  (the d x d projector is never formed)
     rho = r_C · r_new / (|r_C| |r_new|)
 
-Numerics. A fragment that is (nearly) stored already has a residual of size
-~λ; computing `e - Mᵀx` directly cancels two O(1) vectors and leaves
-float32 rounding of relative size eps/λ. The solve is therefore anchored at
-the memory `m_j` most aligned with `e` (sign `s`): with `z = c·onehot(j)`
-chosen so that `Mᵀz = s·m_j/|e|`,
+Everything the residuals' dot products need is in the Gram of the N + 2
+stacked rows `[M; e_C; e_new]`: with `u = M e`, `w = G⁻¹ u`,
 
-    r = ê - Mᵀz - Mᵀw,   G w = M(ê - Mᵀz) - λ z,
+    r_a · r_b = e_a · e_b − u_a · w_b − λ w_a · w_b,
 
-which is the same residual for any `z`, but `e - s·m_j` is an exact float
-difference (Sterbenz) when `e ≈ ±m_j`, so tiny residuals keep float32
-accuracy. Normalisation is folded into N-space scales: no `[B, N, d]`
-normalised copy of the memories is materialised.
+so the kernel never forms a d-dimensional residual. The Gram is one
+elementwise multiply-and-reduce with `GRAM_LANES` partial sums per pair
+(XLA:CPU runs batched small matmuls at a few GFLOP/s; this form
+vectorises over the lanes and is 3-6x faster, and pairwise-summed), and
+normalisation happens in N-space (`1/|x|` from the Gram's diagonal): no
+normalised copy of the memories is ever written.
 
-The d-space statistics (`M Mᵀ`, `M e`) and the residual formation are split
-from the N-space steps so that `cmi.workload` can supply the statistics from
-bank-level GEMMs instead of per-row small matmuls.
+Numerics. A fragment that is (nearly) stored already has a residual of
+size ~λ; the formula above would cancel O(1) terms down to it and lose
+float32 accuracy. The solve is therefore anchored at the memory `m_j` most
+aligned with `e` (sign `s`): with `δ = ê − s·m̂_j`, `v = M̂ δ`,
+`G w = v − λ s·onehot(j)`,
+
+    r_a · r_b = δ_a · δ_b − v_a · w_b − λ w_a · z_b − λ w_a · w_b,
+
+the same value for any anchor, with every anchored quantity taken from the
+Gram as a difference of entries. Every pair of rows is reduced by the same
+code, so a fragment equal to a stored memory gives bitwise-equal Gram rows
+and `δ`, `v` of exactly zero: its tiny residual keeps float32 accuracy.
+Inputs whose squares would overflow or underflow float32 (|x| beyond about
+1e18, or below 1e-19) are detected on the Gram's diagonal and recomputed
+from normalised rows.
 """
 
 from __future__ import annotations
@@ -34,11 +45,12 @@ import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
 
+from cmimem_jax.models.attention import target_platform
+
 # Below this residual norm rho is defined as 0 (SPEC §4.1 step 3).
 RESIDUAL_NORM_FLOOR = 1e-6
 # Vectors with a norm below this are treated as zero.
 NORM_EPS = 1e-12
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def l2_normalize(x: jax.Array) -> jax.Array:
@@ -94,47 +106,61 @@ def solve_corrections(gram: jax.Array, rhs: jax.Array, anchors: Anchors,
   n = gram.shape[-1]
   z = anchors.sign[..., None] * jax.nn.one_hot(anchors.index, n,
                                                 dtype=jnp.float32)
-  rhs = rhs - lam * jnp.swapaxes(z, -1, -2)
-  if n <= UNROLL_MAX_N:
+  return spd_solve(gram, rhs - lam * jnp.swapaxes(z, -1, -2))
+
+
+def spd_solve(gram: jax.Array, rhs: jax.Array) -> jax.Array:
+  """`gram⁻¹ rhs` for SPD `[..., N, N]` `gram` and `[..., N, K]` `rhs`
+  (Cholesky: on CPU unrolled up to `UNROLL_MAX_N`, else the platform's)."""
+  if gram.shape[-1] <= UNROLL_MAX_N and target_platform() == "cpu":
     return _unrolled_cholesky_solve(gram, rhs)
   return jsl.cho_solve((jnp.linalg.cholesky(gram), True), rhs)
 
 
-# Up to this N the factorisation is unrolled into [B]-vector ops: 3-5x
-# faster on CPU than per-matrix LAPACK calls at N ~ 10, and free of LAPACK
+# Up to this N the factorisation is unrolled into [B]-vector ops: faster
+# on CPU than per-matrix LAPACK calls (3x at N = 20), and free of LAPACK
 # custom calls, which were seen to hang when several XLA CPU devices run
-# them concurrently. Compile time grows as N^2 (about 10 s at N = 20).
+# them concurrently. Compile time grows as N^3 (about 5 s at N = 20).
 UNROLL_MAX_N = 24
 
 
 def _unrolled_cholesky_solve(gram: jax.Array, rhs: jax.Array) -> jax.Array:
   """`gram⁻¹ rhs` for `[..., N, N]` SPD `gram` and `[..., N, K]` `rhs`.
 
-  Column-oriented Cholesky: column j of L is a `[..., N]` vector, so each
-  step is one vectorised op over the batch.
+  Fully unrolled over the matrix entries: every entry of L, of the forward
+  and of the back substitution is a `[...]` batch vector, so XLA fuses the
+  whole solve into a few loops over the batch with the N x N factor in
+  registers (15x faster than column-vector steps at N = 20).
   """
-  n = gram.shape[-1]
-  rows = jnp.arange(n)
-  columns: list[jax.Array] = []
+  n, k = gram.shape[-1], rhs.shape[-1]
+  factor: list[list[jax.Array | None]] = [[None] * n for _ in range(n)]
   for j in range(n):
-    v = gram[..., :, j]
-    for k in range(j):
-      v = v - columns[k] * columns[k][..., j:j + 1]
-    columns.append(jnp.where(rows >= j, v * jax.lax.rsqrt(v[..., j:j + 1]),
-                             0.0))
-  forward: list[jax.Array] = []  # L y = rhs, eliminating column by column.
-  remaining = rhs
-  for k in range(n):
-    y = remaining[..., k, :] / columns[k][..., k:k + 1]
-    forward.append(y)
-    remaining = remaining - columns[k][..., :, None] * y[..., None, :]
-  solution: list[jax.Array | None] = [None] * n  # Lᵀ x = y.
-  for i in reversed(range(n)):
-    acc = forward[i]
-    for k in range(i + 1, n):
-      acc = acc - columns[i][..., k:k + 1] * solution[k]
-    solution[i] = acc / columns[i][..., i:i + 1]
-  return jnp.stack(solution, axis=-2)
+    diagonal = gram[..., j, j]
+    for p in range(j):
+      diagonal = diagonal - factor[j][p] * factor[j][p]
+    inverse = jax.lax.rsqrt(diagonal)
+    factor[j][j] = diagonal * inverse
+    for i in range(j + 1, n):
+      entry = gram[..., i, j]
+      for p in range(j):
+        entry = entry - factor[i][p] * factor[j][p]
+      factor[i][j] = entry * inverse
+  columns = []
+  for c in range(k):
+    forward: list[jax.Array | None] = [None] * n  # L y = rhs.
+    for i in range(n):
+      value = rhs[..., i, c]
+      for p in range(i):
+        value = value - factor[i][p] * forward[p]
+      forward[i] = value / factor[i][i]
+    solution: list[jax.Array | None] = [None] * n  # Lᵀ x = y.
+    for i in reversed(range(n)):
+      value = forward[i]
+      for p in range(i + 1, n):
+        value = value - factor[p][i] * solution[p]
+      solution[i] = value / factor[i][i]
+    columns.append(jnp.stack(solution, axis=-1))
+  return jnp.stack(columns, axis=-1)
 
 
 def partial_correlation(dot: jax.Array, sq_a: jax.Array, sq_b: jax.Array
@@ -147,96 +173,258 @@ def partial_correlation(dot: jax.Array, sq_a: jax.Array, sq_b: jax.Array
   return jnp.where(degenerate, 0.0, dot / denominator)
 
 
-def normalize_inputs(queries: jax.Array, memories: jax.Array,
-                     mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Unit queries `[B, K, d]` and unit, masked memories `[B, N, d]`.
-
-  Both go through the same row reduction, so equal input rows give
-  bitwise-equal unit rows when this runs as its own program (the anchored
-  difference relies on it; see `residual_cmi_unchecked`). Normalising before
-  any product keeps every finite input finite.
-  """
-  return (l2_normalize(queries),
-          l2_normalize(memories) * mask.astype(jnp.float32)[..., None])
+GRAM_LANES = 8
+# A query at least this aligned with a stored memory is anchored at it.
+ANCHOR_COSINE = 0.5
+# Squared norms outside this range over- or underflowed float32.
+_SQUARE_RANGE = (1e-30, 1e30)
 
 
-def normalized_residuals(queries: jax.Array, memories: jax.Array,
-                         mask: jax.Array, lam: jax.Array | float,
-                         gram: jax.Array | None = None,
-                         alignment: jax.Array | None = None) -> jax.Array:
-  """`(I - P) q` for unit queries `[B, K, d]` and unit masked memories.
-
-  Args:
-    queries: `[B, K, d]` from `normalize_inputs`.
-    memories: `[B, N, d]` unit rows; masked rows may hold anything when
-      `gram` and `alignment` are given (they must be masked), else zero.
-    mask: `[B, N]` validity.
-    lam: Tikhonov λ > 0.
-    gram: Optional precomputed `M̂M̂ᵀ` `[B, N, N]` (without λ), e.g.
-      gathered from a bank-level Gram (masked rows and columns zero).
-    alignment: Optional precomputed `q·m̂` `[B, K, N]`.
-
-  Returns:
-    `[B, K, d]` residuals.
-  """
-  n = memories.shape[-2]
-  if n == 0:
-    return queries
-  if gram is None:
-    gram = jnp.einsum("bnd,bmd->bnm", memories, memories, precision=_HIGHEST)
-  gram = gram + lam * jnp.eye(n, dtype=jnp.float32)
-  if alignment is None:
-    alignment = jnp.einsum("bkd,bnd->bkn", queries, memories,
-                           precision=_HIGHEST)
-  anchors = choose_anchors(alignment, jnp.diagonal(gram, axis1=-2, axis2=-1),
-                           mask.astype(jnp.float32))
-  anchor_rows = jnp.take_along_axis(memories, anchors.index[..., None], axis=1)
-  # Exact difference when a query repeats a memory (Sterbenz).
-  shifted = queries - anchors.sign[..., None] * anchor_rows
-  # Masking rhs (not the memories) zeroes w on masked slots, so masked rows
-  # never enter the residual even when they hold stale data.
-  rhs = (jnp.einsum("bnd,bkd->bnk", memories, shifted, precision=_HIGHEST)
-         * mask.astype(jnp.float32)[..., None])
-  corrections = solve_corrections(gram, rhs, anchors, lam)
-  return shifted - jnp.einsum("bnk,bnd->bkd", corrections, memories,
-                              precision=_HIGHEST)
+def lane_products(a: jax.Array, b: jax.Array) -> jax.Array:
+  """`[B, R, d] x [B, S, d] -> [B, R, S]` dot products of every pair of
+  rows, as one elementwise multiply-and-reduce keeping `GRAM_LANES` partial
+  sums (XLA:CPU vectorises it over the lanes; as a batched matmul it runs
+  the per-row products at a few GFLOP/s). Every pair goes through the same
+  code: equal rows give bitwise-equal results."""
+  batch, dim = a.shape[0], a.shape[-1]
+  pad = (-dim) % GRAM_LANES
+  if pad:
+    a = jnp.pad(a, ((0, 0), (0, 0), (0, pad)))
+    b = jnp.pad(b, ((0, 0), (0, 0), (0, pad)))
+  left = a.reshape(batch, a.shape[1], -1, GRAM_LANES)
+  right = b.reshape(batch, b.shape[1], -1, GRAM_LANES)
+  # Fused with its consumers, XLA repeats the reduction (3-5x slower);
+  # callers materialise computed operands for the same reason.
+  return jax.lax.optimization_barrier(
+      jnp.sum(left[:, :, None] * right[:, None], axis=3).sum(-1))
 
 
-def rho_from_normalized(queries: jax.Array, memories: jax.Array,
-                        mask: jax.Array, lam: jax.Array | float,
-                        min_memories: jax.Array | int) -> jax.Array:
-  """`rho` `[B]` for unit `(e_C, e_new)` queries `[B, 2, d]` (see
-  `residual_cmi`)."""
-  lam = jnp.asarray(lam, jnp.float32)
-  res = normalized_residuals(queries, memories, mask, lam)
-  r_c, r_new = res[:, 0], res[:, 1]
-  rho = partial_correlation(jnp.sum(r_c * r_new, -1), jnp.sum(r_c * r_c, -1),
-                            jnp.sum(r_new * r_new, -1))
-  cosine = jnp.sum(queries[:, 0] * queries[:, 1], axis=-1)
+def _power_of_two(x: jax.Array) -> jax.Array:
+  """The power of two nearest `x` > 0 in log scale (multiplying by it is
+  exact)."""
+  _, exponent = jnp.frexp(x * np.float32(np.sqrt(2.0) / 2.0))
+  return jnp.ldexp(jnp.ones_like(x), exponent)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Products:
+  """Stage 1: every d-space product the kernel needs of the raw rows."""
+  qq: jax.Array         # [B, 2, 2] e_a·e_b
+  gram: jax.Array       # [B, N, N] m_n·m_m
+  alignment: jax.Array  # [B, 2, N] e_a·m_n
+
+
+@dataclasses.dataclass(frozen=True)
+class _Anchored:
+  """Stage 2: the anchors and the anchored queries δ = e − c·m_j."""
+  deltas: jax.Array     # [B, 2, d]
+  scale: jax.Array      # [B, 2] c (0: not anchored)
+  index: jax.Array      # [B, 2] j
+  valid: jax.Array      # [B, N] usable memory (in the mask, non-zero)
+
+
+jax.tree_util.register_dataclass(_Products, ["qq", "gram", "alignment"], [])
+jax.tree_util.register_dataclass(_Anchored, ["deltas", "scale", "index",
+                                             "valid"], [])
+
+
+# Up to this many memory elements (B·N·d) a batched matmul is faster than
+# the lane reduction, and one fused program beats separate ones.
+SMALL_WORK = 1 << 21
+
+
+def _pairwise(a: jax.Array, b: jax.Array) -> jax.Array:
+  """Dot products of every pair of rows, `[B, R, d] x [B, S, d] ->
+  [B, R, S]`: a batched matmul for small work, else `lane_products`."""
+  on_cpu = target_platform() == "cpu"
+  if on_cpu and a.shape[0] * max(a.shape[1], b.shape[1]) * a.shape[2] > (
+      SMALL_WORK):
+    return lane_products(a, b)
+  # CPU dots are float32 at any precision setting and "default" picks the
+  # faster contraction; TPU / GPU need HIGHEST for float32 (not one bf16
+  # pass) on their matrix units.
+  return jnp.einsum("brd,bsd->brs", a, b,
+                    precision=None if on_cpu else jax.lax.Precision.HIGHEST)
+
+
+def _products(queries: jax.Array, mem: jax.Array) -> _Products:
+  # The memories stay the left operand of every product with the queries
+  # (a [B, N, d] x [B, 2, d] contraction is 2x faster that way round).
+  return _Products(_pairwise(queries, queries), _pairwise(mem, mem),
+                   jnp.swapaxes(_pairwise(mem, queries), -1, -2))
+
+
+def _inverse_norms(squares: jax.Array, valid: jax.Array) -> jax.Array:
+  """`1/sqrt(squares)` where valid, else 0 (finite gradients)."""
+  return jnp.where(valid, jax.lax.rsqrt(jnp.where(valid, squares, 1.0)), 0.0)
+
+
+def _anchor(queries: jax.Array, mem: jax.Array, mask: jax.Array,
+            products: _Products) -> _Anchored:
+  """Anchors each query at its most aligned memory when the cosine is at
+  least `ANCHOR_COSINE`: z = c·onehot(j) with c = ±(the power of two
+  nearest |e|/|m_j|), so c·m_j is exact and δ = e − c·m_j an exact
+  difference when e ≈ c·m_j."""
+  q_sq = jnp.diagonal(products.qq, axis1=-2, axis2=-1)
+  m_sq = jnp.diagonal(products.gram, axis1=-2, axis2=-1)
+  valid = mask.astype(bool) & (m_sq > 0)
+  cosines = (products.alignment * _inverse_norms(q_sq, q_sq > 0)[..., :, None]
+             * _inverse_norms(m_sq, valid)[..., None, :])
+  anchors = choose_anchors(cosines, jnp.where(valid, 1.0, 0.0),
+                           valid.astype(jnp.float32))
+  best = jnp.take_along_axis(cosines, anchors.index[..., None], -1)[..., 0]
+  anchor_sq = jnp.take_along_axis(m_sq, anchors.index, axis=-1)
+  ratio = jnp.sqrt(q_sq / jnp.where(anchor_sq > 0, anchor_sq, 1.0))
+  scale = jnp.where((jnp.abs(best) >= ANCHOR_COSINE) & (anchors.sign != 0),
+                    anchors.sign * _power_of_two(jnp.maximum(ratio, 1e-30)),
+                    0.0)
+  anchor_rows = jnp.take_along_axis(mem, anchors.index[..., None], axis=1)
+  return _Anchored(queries - scale[..., None] * anchor_rows, scale,
+                   anchors.index, valid)
+
+
+def _anchored_products(mem: jax.Array, deltas: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+  """Stage 3: `M δ` `[B, N, 2]` and `δ_a·δ_b` `[B, 2, 2]`."""
+  return _pairwise(mem, deltas), _pairwise(deltas, deltas)
+
+
+def _finish(products: _Products, anchored: _Anchored, v: jax.Array,
+            dd: jax.Array, mask: jax.Array, lam: jax.Array,
+            min_memories: jax.Array | int) -> jax.Array:
+  """Stage 4 (N-space): the solve and `rho` `[B]`."""
+  n = products.gram.shape[-1]
+  valid = anchored.valid
+  q_sq = jnp.diagonal(products.qq, axis1=-2, axis2=-1)
+  q_inverse = _inverse_norms(q_sq, q_sq > 0)
+  cosine = products.qq[..., 0, 1] * q_inverse[..., 0] * q_inverse[..., 1]
+  pair = valid[..., :, None] & valid[..., None, :]
+  gram = jnp.where(pair, products.gram, 0.0)
+  # P = Mᵀ (S + λ diag|m|²)⁻¹ M: the normalised memories' projector.
+  regular = jnp.where(valid, lam * jnp.diagonal(gram, axis1=-2, axis2=-1),
+                      0.0)                                  # Λ: [B, N]
+  solve_matrix = gram + jnp.eye(n, dtype=jnp.float32) * jnp.where(
+      valid, regular, 1.0)[..., None, :]
+  v = jnp.where(valid[..., None], v, 0.0)
+  z = anchored.scale[..., None] * jax.nn.one_hot(anchored.index, n,
+                                                  dtype=jnp.float32)
+  w = spd_solve(solve_matrix,
+                v - regular[..., :, None] * jnp.swapaxes(z, -1, -2))
+  w = jnp.where(valid[..., None], w, 0.0)
+  # r_a·r_b = δ_a·δ_b − v_a·w_b − w_aᵀ Λ (z_b + w_b).
+  dots = (dd - jnp.einsum("bna,bnc->bac", v, w)
+          - jnp.einsum("bna,bn,bcn->bac", w, regular,
+                       z + jnp.swapaxes(w, -1, -2)))
+  # rho is scale-free; the 1e-6 floor is on unit queries' residuals.
+  floor = RESIDUAL_NORM_FLOOR * RESIDUAL_NORM_FLOOR
+  degenerate = (dots[..., 0, 0] <= floor * q_sq[..., 0]) | (
+      dots[..., 1, 1] <= floor * q_sq[..., 1])
+  denominator = jnp.sqrt(jnp.where(degenerate, 1.0,
+                                   dots[..., 0, 0] * dots[..., 1, 1]))
+  rho = jnp.where(degenerate, 0.0, dots[..., 0, 1] / denominator)
   too_few = jnp.sum(mask.astype(jnp.int32), axis=-1) < min_memories
   return jnp.clip(jnp.where(too_few, cosine, rho), -1.0, 1.0)
+
+
+def _row_squares(products: _Products) -> jax.Array:
+  """`[B, 2 + N]` squared norms of the queries and of every memory."""
+  return jnp.concatenate([jnp.diagonal(products.qq, axis1=-2, axis2=-1),
+                          jnp.diagonal(products.gram, axis1=-2, axis2=-1)],
+                         -1)
+
+
+def _extreme(products: _Products, mask: jax.Array) -> jax.Array:
+  """Whether a valid row's square over- or underflowed float32 (or is
+  non-finite: then an input is, which `residual_cmi` reports)."""
+  valid = jnp.concatenate([jnp.ones(mask.shape[:-1] + (2,), bool),
+                           mask.astype(bool)], -1)
+  squares = _row_squares(products)
+  low, high = _SQUARE_RANGE
+  out_of_range = ~(squares <= high) | ((squares > 0) & (squares < low))
+  return jnp.any((valid & out_of_range) | ~jnp.isfinite(squares))
+
+
+def _no_memories(products: _Products) -> jax.Array:
+  q_sq = jnp.diagonal(products.qq, axis1=-2, axis2=-1)
+  q_inverse = _inverse_norms(q_sq, q_sq > 0)
+  return jnp.clip(products.qq[..., 0, 1] * q_inverse[..., 0]
+                  * q_inverse[..., 1], -1.0, 1.0)
+
+
+def _rho_raw(queries: jax.Array, mem: jax.Array, mask: jax.Array,
+             lam: jax.Array, min_memories: jax.Array | int,
+             products: _Products | None = None) -> jax.Array:
+  """`rho` `[B]` of raw queries `[B, 2, d]` given raw memories
+  `[B, N, d]`, the four stages in one trace; squares must not over- or
+  underflow float32."""
+  if products is None:
+    products = _products(queries, mem)
+  if mem.shape[1] == 0:
+    return _no_memories(products)
+  anchored = _anchor(queries, mem, mask, products)
+  v, dd = _anchored_products(mem, anchored.deltas)
+  return _finish(products, anchored, v, dd, mask, lam, min_memories)
+
+
+def _queries(e_ctx: jax.Array, e_new: jax.Array) -> jax.Array:
+  return jnp.stack([e_ctx, e_new], axis=1).astype(jnp.float32)
 
 
 def residual_cmi_unchecked(e_ctx: jax.Array, e_new: jax.Array,
                            mem: jax.Array, mem_mask: jax.Array,
                            lam: jax.Array | float = 1e-4,
                            min_memories: jax.Array | int = 2) -> jax.Array:
-  """The traceable core of `residual_cmi` (no input validation).
+  """The traceable core of `residual_cmi` (no input validation), for use
+  inside `jit` / `grad` / `vmap` with inputs known finite. Shapes as in
+  `residual_cmi`. (Traced into one program, XLA:CPU fuses the lane
+  reductions of large batches with their consumers and runs them several
+  times slower than `residual_cmi`'s separate programs; the values are the
+  same.)"""
+  lam = jnp.asarray(lam, jnp.float32)
+  queries, mem = _queries(e_ctx, e_new), mem.astype(jnp.float32)
+  products = _products(queries, mem)
+  # Squares that over- or underflow: the same on normalised rows (rare).
+  return jax.lax.cond(
+      _extreme(products, mem_mask),
+      lambda: _rho_raw(l2_normalize(queries), l2_normalize(mem), mem_mask,
+                       lam, min_memories),
+      lambda: _rho_raw(queries, mem, mem_mask, lam, min_memories, products))
 
-  For use inside `jit`/`grad`/`vmap` with inputs known finite. Shapes as in
-  `residual_cmi`. Inside a larger program XLA may fuse the normalisation
-  into its consumers and round it differently per use, which costs the
-  anchored solve its exactness when a fragment repeats a memory (errors up
-  to ~1e-4 instead of ~1e-6 in that case); `residual_cmi` avoids this by
-  normalising in a separate program.
-  """
-  queries, memories = normalize_inputs(jnp.stack([e_ctx, e_new], axis=1), mem,
-                                       mem_mask)
-  return rho_from_normalized(queries, memories, mem_mask, lam, min_memories)
+
+@jax.jit
+def _small_program(e_ctx: jax.Array, e_new: jax.Array, mem: jax.Array,
+                   mask: jax.Array, lam: jax.Array, min_memories: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+  """Small work in one program: `rho` and whether a row was extreme."""
+  queries = _queries(e_ctx, e_new)
+  products = _products(queries, mem)
+  return (_rho_raw(queries, mem, mask, lam, min_memories, products),
+          _extreme(products, mask))
 
 
-_normalize_jit = jax.jit(normalize_inputs)
-_rho_jit = jax.jit(rho_from_normalized)
+_products_jit = jax.jit(lambda e_ctx, e_new, mem: _products(
+    _queries(e_ctx, e_new), mem))
+_extreme_jit = jax.jit(_extreme)
+_anchor_jit = jax.jit(lambda e_ctx, e_new, mem, mask, products: _anchor(
+    _queries(e_ctx, e_new), mem, mask, products))
+_anchored_products_jit = jax.jit(_anchored_products)
+_finish_jit = jax.jit(_finish)
+_no_memories_jit = jax.jit(_no_memories)
+_normalize_jit = jax.jit(l2_normalize)
+
+
+def _large_programs(e_ctx: jax.Array, e_new: jax.Array, mem: jax.Array,
+                    mask: jax.Array, lam: jax.Array,
+                    min_memories: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Large work as separate programs: no lane reduction fused with an
+  elementwise consumer (which slows XLA:CPU's reduction 3-5x)."""
+  products = _products_jit(e_ctx, e_new, mem)
+  if mem.shape[1] == 0:
+    return _no_memories_jit(products), _extreme_jit(products, mask)
+  anchored = _anchor_jit(e_ctx, e_new, mem, mask, products)
+  v, dd = _anchored_products_jit(mem, anchored.deltas)
+  return (_finish_jit(products, anchored, v, dd, mask, lam, min_memories),
+          _extreme_jit(products, mask))
 
 
 @jax.jit
@@ -298,10 +486,21 @@ def residual_cmi(e_ctx: jax.Array | np.ndarray, e_new: jax.Array | np.ndarray,
                        f"{list(shapes['mem'])}, got {list(shapes[name])}")
   if isinstance(lam, (int, float)) and not lam > 0:
     raise ValueError(f"lam must be positive, got {lam}")
-  check_finite(e_ctx=e_ctx, e_new=e_new, mem=mem)
-  # Two programs: the normalised rows must be materialised once so that
-  # every later use sees the same bits (see `residual_cmi_unchecked`).
-  queries, memories = _normalize_jit(jnp.stack([jnp.asarray(e_ctx),
-                                                jnp.asarray(e_new)], axis=1),
-                                     mem, mem_mask)
-  return _rho_jit(queries, memories, mem_mask, lam, min_memories)
+  if any(isinstance(x, jax.core.Tracer) for x in (e_ctx, e_new, mem,
+                                                 mem_mask, lam)):
+    return residual_cmi_unchecked(e_ctx, e_new, mem, mem_mask, lam,
+                                  min_memories)
+  e_ctx, e_new = jnp.asarray(e_ctx), jnp.asarray(e_new)
+  mem, mem_mask = jnp.asarray(mem, jnp.float32), jnp.asarray(mem_mask)
+  # Traced, not static: a sweep over λ reuses one compiled program.
+  lam_, min_ = jnp.float32(lam), jnp.int32(min_memories)
+  run = (_small_program if batch * max(n, 2) * dim <= SMALL_WORK
+         else _large_programs)
+  rho, extreme = run(e_ctx, e_new, mem, mem_mask, lam_, min_)
+  # A non-finite input makes its row's square non-finite, hence extreme:
+  # only then are the inputs themselves examined (one more pass).
+  if bool(extreme):
+    check_finite(e_ctx=e_ctx, e_new=e_new, mem=mem)
+    rho, _ = run(_normalize_jit(e_ctx), _normalize_jit(e_new),
+                 _normalize_jit(mem), mem_mask, lam_, min_)
+  return rho

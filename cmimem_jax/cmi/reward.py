@@ -312,6 +312,33 @@ class RewardComputer:
   def __call__(self, rollouts: Sequence[RolloutInput]) -> list[RewardTerms]:
     return self.compute(rollouts)
 
+  def operation_rhos(
+      self, items: Sequence[tuple[MemoryBank, str, Sequence[Operation]]]
+  ) -> list[list[tuple[float, float | None]]]:
+    """`(rho(new), rho(old) or None)` of arbitrary operations, each on its
+    bank `M_{t-1}` and session text, with this computer's estimator
+    (residual or cosine), batched as in a training step (one kernel call):
+    what a rollout writing that operation would be scored with, before
+    shaping. Operations need not form a valid response."""
+    if self.config.estimator == "logprob":
+      raise ValueError("operation_rhos scores single operations; the "
+                       "logprob estimator scores whole memory states")
+    rollouts = [RolloutInput(bank, context, ParsedResponse("", tuple(ops), ()))
+                for bank, context, ops in items]
+    scored = [_scored_operations(r) for r in rollouts]
+    texts = {r.context for r in rollouts}
+    for rollout in rollouts:
+      texts.update(core_lines(rollout.bank))
+    for ops in scored:
+      for _, new_text, old_text in ops:
+        texts.update(t for t in (new_text, old_text) if t is not None)
+    ordered = sorted(texts)
+    embeddings = dict(zip(ordered, embed_texts(self.encoder, ordered)))
+    rhos = self._rho(rollouts, scored, embeddings)
+    return [[(new, old if old_text is not None else None)
+             for (new, old), (_, _, old_text) in zip(rho, ops)]
+            for rho, ops in zip(rhos, scored)]
+
   # -- batched CMI ---------------------------------------------------------
 
   def _rho(self, rollouts: Sequence[RolloutInput],

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -62,6 +63,7 @@ from cmimem_jax.task.episode import (Episode, attribution_weights,
                                      policy_messages, score_rollouts,
                                      session_questions)
 from cmimem_jax.task.qa_reward import QAReward
+from cmimem_jax.task.report import session_line, summary_text, written_memory
 from cmimem_jax.task.snapshots import (build_snapshots,
                                        load_expert_snapshots, load_snapshots,
                                        save_snapshots)
@@ -94,7 +96,8 @@ def _check_training(c) -> None:
   for name in ("epsilon_low", "epsilon_high"):
     c.check(f"rl.{name}", lambda v: finite_number(v, 0.0, 1.0),
             "in [0, 1]")
-  for name in ("max_steps", "warmup_steps", "epochs"):
+  for name in ("max_steps", "warmup_steps", "epochs", "validation_sessions",
+               "eval_every"):
     c.check(f"rl.{name}", lambda v: isinstance(v, int) and v >= 0,
             "an integer >= 0")
   c.check("rl.curriculum_weights", lambda v: len(v) == 3 and all(
@@ -153,6 +156,18 @@ def training_dialogues(dataset: Any) -> list[Dialogue]:
   """The dialogues a training job reads from its `dataset` section (its
   split, the first `dialogues` of them; 0 = all)."""
   return load_configured(dataset, "train")[:dataset.dialogues or None]
+
+
+def split_validation(sessions: list[SessionRef], count: int, seed: int
+                     ) -> tuple[list[SessionRef], list[SessionRef]]:
+  """(`count` held-out sessions drawn with `seed`, the others in order)."""
+  if count < 0 or count >= len(sessions):
+    raise ValueError(f"rl.validation_sessions={count} must be in [0, "
+                     f"{len(sessions)}) (the training sessions)")
+  chosen = set(np.random.default_rng(seed).choice(len(sessions), count,
+                                                  replace=False).tolist())
+  return ([s for i, s in enumerate(sessions) if i in chosen],
+          [s for i, s in enumerate(sessions) if i not in chosen])
 
 
 def _training_sessions(dialogues: list[Dialogue], weights) -> list[SessionRef]:
@@ -242,9 +257,13 @@ class Trainer:
                                    self.mesh, constraint=self.constraint,
                                    max_rows_per_wave=(
                                        config.rollout.max_rows_per_wave))
-    self.curriculum = Curriculum(
-        _training_sessions(self.dialogues, tuple(rl.curriculum_weights)),
-        rl.sessions_per_batch, rl.curriculum_tiers, max(1, rl.epochs))
+    sessions = _training_sessions(self.dialogues, tuple(rl.curriculum_weights))
+    # Held-out sessions, fixed by the seed, never in a training batch: the
+    # validation curve (`rl.eval_every`).
+    self.validation, sessions = split_validation(
+        sessions, rl.validation_sessions, config.seed)
+    self.curriculum = Curriculum(sessions, rl.sessions_per_batch,
+                                 rl.curriculum_tiers, max(1, rl.epochs))
     self.total_steps = rl.max_steps or self.curriculum.planned_steps
     self.checkpointer = Checkpointer.for_workdir(workdir, config.checkpoint)
     self.key = jax.random.key(config.seed)
@@ -307,6 +326,23 @@ class Trainer:
     session = dialogue.sessions[ref.session]
     return Episode(dialogue, session, self.snapshots[ref.dialogue][ref.session],
                    session_questions(dialogue, session))
+
+  def validate(self) -> dict[str, float]:
+    """The held-out sessions answered greedily and scored with the full
+    reward: `eval/*` metrics (mean over the sessions)."""
+    episodes = [self.episode(r) for r in self.validation]
+    top_k = self.config.rollout.retrieval_top_k
+    texts = self._respond([policy_messages(e.bank, e.session, self.encoder,
+                                           top_k) for e in episodes])
+    _, terms = score_rollouts(episodes, texts, 1, self.encoder,
+                              self.config.memory, self.qa, self.reward,
+                              self.editors)
+    return {"eval/reward": float(np.mean([t.reward for t in terms])),
+            "eval/qa": float(np.mean([t.qa for t in terms])),
+            "eval/cmi": float(np.mean([t.cmi for t in terms])),
+            "eval/validity": float(np.mean([t.valid for t in terms])),
+            "eval/response_chars": float(np.mean([len(t) for t in texts])),
+            "eval/sessions": len(episodes)}
 
   def greedy_response(self, ref: SessionRef) -> str:
     episode = self.episode(ref)
@@ -399,15 +435,19 @@ class Trainer:
                              self.learner.opt_state, self.key,
                              dict(self.loop))
 
-  def run(self, stop: StopSignals | None = None) -> list[dict[str, Any]]:
+  def run(self, stop: StopSignals | None = None,
+          echo: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Trains to `total_steps`, checkpointing; returns this run's metrics.
+    `echo` (e.g. `print`) receives one line per step instead of the
+    progress bar.
 
     SIGTERM / SIGINT (`stop`, or signals watched here) end the run at the
     next step boundary with a checkpoint and `config.Interrupted`.
     """
     writer = MetricsWriter(self.workdir, self.total_steps,
                            tensorboard=self.config.tensorboard,
-                           start_step=self.loop["step"])
+                           start_step=self.loop["step"],
+                           progress=False if echo else None)
     every = self.config.checkpoint.every_steps
     history = []
     with contextlib.ExitStack() as stack:
@@ -421,61 +461,64 @@ class Trainer:
           raise Interrupted(stop.message(self.loop["step"]), stop.signum)
         metrics = self.step()
         step = self.loop["step"]
+        eval_every = self.config.rl.eval_every
+        if self.validation and eval_every and (step % eval_every == 0
+                                               or step == self.total_steps):
+          metrics.update(self.validate())
         writer.write(step, metrics)
         history.append(metrics)
-        logging.info("step %d: reward %.4f valid %.2f loss %.4g (%.1f s)",
-                     step, metrics["reward_mean"], metrics["validity_rate"],
-                     metrics.get("loss", float("nan")),
-                     metrics["step_time_s"])
+        line = (f"step {step}/{self.total_steps}: reward "
+                f"{metrics['reward_mean']:.4f} valid "
+                f"{metrics['validity_rate']:.2f} loss "
+                f"{metrics.get('loss', float('nan')):.4g} "
+                f"({metrics['step_time_s']:.1f} s)")
+        if echo:
+          echo(line)
+        logging.info(line)
         if step % every == 0 or step == self.total_steps:
           self.save_checkpoint()
     return history
 
 
-def summary_text(history: list[dict[str, Any]], before: str, after: str,
-                 session: str) -> str:
-  """The demo's human-readable report."""
-  terms = ("reward_mean", "reward/cmi", "reward/qa", "reward/length_factor",
-           "validity_rate", "loss")
-  lines = ["", "=== CMI-Mem training summary ===",
-           "step  " + "  ".join(f"{t:>20}" for t in terms)]
-  for m in history:
-    # A skipped (non-finite) update has no loss: shown as nan.
-    values = [m.get(t) for t in terms]
-    lines.append(f"{m['step']:4d}  " + "  ".join(
-        f"{float('nan') if v is None else v:20.4f}" for v in values))
-  lines += [f"\n--- session {session}: operations before training ---",
-            before.strip() or "(empty response)",
-            f"--- session {session}: operations after training ---",
-            after.strip() or "(empty response)"]
-  return "\n".join(lines)
-
-
-def train(config, workdir: str) -> str:
+def train(config, workdir: str,
+          echo: Callable[[str], None] | None = None) -> str:
   """Trains (or resumes) in `workdir`; returns the human-readable report:
-  the reward curve by term over every step so far, one session's memory
-  operations before vs after training, and a JSON line of run facts.
+  the reward table over every step so far, one session's memory written
+  by the initial and by the trained policy, and a JSON line of run facts.
+  `echo` receives one progress line per stage and step.
 
   Raises:
     config.Interrupted: SIGTERM / SIGINT (also while starting up): a
       checkpoint of the last finished step is saved first.
   """
+  echo = echo or (lambda line: None)
   start = time.perf_counter()
   with StopSignals() as stop:
+    echo("loading the policy, the encoder and the data ...")
     loop = Trainer(config, workdir)
     demo_ref = loop.curriculum.batch(0)[0]
+    demo = loop.episode(demo_ref)
     demo_session = (f"{loop.dialogues[demo_ref.dialogue].dialogue_id}/"
                     f"{demo_ref.session}")
     before_path = os.path.join(workdir, "demo_before.txt")
     if not os.path.exists(before_path):  # The initial policy's response.
+      echo(f"the initial policy writes memory for session {demo_session}"
+           " ...")
       with open(before_path, "w") as f:
         f.write(loop.greedy_response(demo_ref))
-    loop.run(stop)
+    echo(f"training: steps {loop.loop['step'] + 1}..{loop.total_steps}"
+         + (f" (resumed from {loop.resumed_from})" if loop.resumed_from
+            else ""))
+    loop.run(stop, echo)
+  echo("the trained policy writes memory for the same session ...")
   after = loop.greedy_response(demo_ref)
   history = read_metrics(workdir)  # Every step, resumed runs too.
   with open(before_path) as f:
     before = f.read()
+  written = [written_memory(demo, text, loop.encoder, config.memory)
+             for text in (before, after)]
   facts = json.dumps({"steps": loop.loop["step"],
                       "resumed_from": loop.resumed_from,
                       "wall_s": round(time.perf_counter() - start, 1)})
-  return summary_text(history, before, after, demo_session) + "\n" + facts
+  return summary_text(history, demo_session, session_line(demo),
+                      *written) + "\n" + facts

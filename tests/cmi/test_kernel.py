@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from cmimem_jax.cmi import residual_cmi, residual_cmi_unchecked
-from cmimem_jax.cmi.kernel import _rho_jit
+from cmimem_jax.cmi.kernel import _small_program
 
 from reference import residual_cmi_reference  # noqa: I100
 
@@ -35,7 +35,7 @@ def test_mixed_masks_in_one_batch_compile_once():
   mask = np.zeros((12, 6), bool)
   for row in range(12):  # 0..6 valid memories, scattered positions
     mask[row, rng.permutation(6)[: row % 7]] = True
-  before = _rho_jit._cache_size()
+  before = _small_program._cache_size()
   got = _check((e_c, e_n, mem, mask), atol=1e-5)
   # Rows under min_memories take the cosine fallback.
   few = mask.sum(1) < 2
@@ -44,7 +44,7 @@ def test_mixed_masks_in_one_batch_compile_once():
   mask2 = rng.random((12, 6)) < 0.5
   _check((e_c, e_n, mem, mask2), atol=1e-5)
   _check((e_c, e_n, mem, mask2), atol=1e-5, min_memories=3, lam=1e-3)
-  assert _rho_jit._cache_size() - before == 1
+  assert _small_program._cache_size() - before == 1
 
 
 def test_realistic_embeddings():

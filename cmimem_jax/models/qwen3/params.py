@@ -279,7 +279,9 @@ def gguf_config(reader, **overrides: Any) -> Qwen3Config:
   hidden = get("embedding_length")
   tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
   tied = not any(t.name == "output.weight" for t in reader.tensors)
-  return Qwen3Config(
+  # Overrides win over the file's metadata (e.g. fewer layers for a
+  # benchmark or a test).
+  fields = dict(
       vocab_size=len(tokens), hidden_size=hidden,
       intermediate_size=get("feed_forward_length"),
       num_hidden_layers=get("block_count"), num_attention_heads=heads,
@@ -290,8 +292,8 @@ def gguf_config(reader, **overrides: Any) -> Qwen3Config:
       tie_word_embeddings=tied, qk_norm=arch == "qwen3",
       max_position_embeddings=get("context_length", 2048),
       bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-      eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
-      **overrides)
+      eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"))
+  return Qwen3Config(**{**fields, **overrides})
 
 
 def gguf_tensors(reader, config: Qwen3Config) -> dict[str, np.ndarray]:

@@ -1,0 +1,107 @@
+"""`tools/reward_study.py`: its operation classes are what they claim, the
+measured use of a fact that answers a question is positive, and a run
+writes the per-class intervals and per-estimator AUC / Spearman."""
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+from cmimem_jax.config import memory_defaults
+from cmimem_jax.encoders import HashingEncoder
+from cmimem_jax.memory import Action, MemoryBank, MemoryType, Operation
+from cmimem_jax.memory.apply import apply_operations
+from cmimem_jax.memory.builder import build_bank
+from cmimem_jax.task.build_memory import annotation_responder
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+import reward_study  # noqa: E402
+
+ENCODER = HashingEncoder(128)
+
+
+def test_classes_are_built_as_stated(locomo_dialogues):
+  dialogue, other = locomo_dialogues[0], locomo_dialogues[1]
+  _, _, steps = build_bank(dialogue, ENCODER, annotation_responder(dialogue),
+                           memory_defaults())
+  t = 3
+  bank = steps[t].bank_before
+  cands = reward_study.candidates(dialogue, other, t, bank, 4,
+                                  np.random.default_rng(0))
+  by_class = {}
+  for label, op in cands:
+    assert op.memory_type is MemoryType.EPISODIC and op.action is Action.ADD
+    by_class.setdefault(label, []).append(op)
+  assert set(by_class) == set(reward_study.CLASSES)
+  stored = {e.text: e.turn_ids for e in bank.entries()}
+  for op in by_class["duplicate"]:  # Byte-equal to a stored memory.
+    assert op.new_text in stored and op.turn_ids == stored[op.new_text]
+  assert {op.new_text for op in by_class["paraphrase"]} <= {
+      reward_study.paraphrase(text) for text in stored}
+  own = {text for text, _ in reward_study.annotated_facts(
+      dialogue, dialogue.sessions[t])}
+  assert {op.new_text for op in by_class["own"]} == own
+  foreign = {text for s in other.sessions
+             for text, _ in reward_study.annotated_facts(other, s)}
+  mine = {text for s in dialogue.sessions
+          for text, _ in reward_study.annotated_facts(dialogue, s)}
+  for op in by_class["irrelevant"]:  # From the other conversation.
+    assert op.new_text in foreign and op.new_text not in mine
+    assert op.turn_ids == ()
+  later = {text for s in dialogue.sessions[t + 1:]
+           for text, _ in reward_study.annotated_facts(dialogue, s)}
+  assert {op.new_text for op in by_class["future"]} <= later
+
+
+def test_a_fact_that_answers_a_question_is_used(locomo_dialogues):
+  """Hand-built: a bank of two unrelated entries; adding the gold answer
+  of a question with the question's evidence turn raises both recalls;
+  an unrelated fact leaves them."""
+  dialogue = locomo_dialogues[0]
+  question = next(q for q in dialogue.questions
+                  if q.evidence and not q.is_abstention)
+  bank, _ = apply_operations(MemoryBank(dialogue.dialogue_id, ENCODER.dim), [
+      Operation(MemoryType.EPISODIC, Action.ADD, (text,))
+      for text in ("The weather was mild in spring",
+                   "A bus timetable was discussed")], ENCODER,
+                             session_index=0)
+  meter = reward_study.UseMeter(dialogue, ENCODER, top_k=10)
+  base = meter.base(bank)
+  fact = f"{question.question} {question.answer}"
+  vector = ENCODER.encode([fact])[0]
+  context, evidence = meter.use(base, bank, fact, tuple(question.evidence),
+                                vector)
+  assert context > 0 and evidence > 0
+  unrelated = "Zebras graze quietly"
+  assert meter.use(base, bank, unrelated, (),
+                   ENCODER.encode([unrelated])[0]) == (0.0, 0.0)
+
+
+def test_rank_statistics():
+  assert reward_study.auc(np.array([0.9, 0.8, 0.1, 0.2]),
+                          np.array([1, 1, 0, 0])) == 1.0
+  assert reward_study.auc(np.array([0.5, 0.5]), np.array([1, 0])) == 0.5
+  assert reward_study.spearman(np.arange(5), np.arange(5) ** 3) == pytest.approx(1.0)
+  assert np.isnan(reward_study.spearman(np.ones(4), np.arange(4)))
+
+
+@pytest.mark.slow
+def test_a_run_writes_intervals_auc_and_spearman(locomo_path, tmp_path):
+  from configs import reward_study as study_config
+  config = study_config.get_config()
+  config.dataset.path = locomo_path
+  config.encoder.update({"kind": "hashing", "dim": 128})
+  config.study.per_class = 2
+  result = reward_study.run(config, str(tmp_path))
+  saved = json.loads((tmp_path / "study.json").read_text())
+  assert saved["summary"]["operations"] == result["operations"] > 100
+  for row in saved["summary"]["classes"].values():
+    low, high = row["residual_s"]["ci95"]
+    assert low <= row["residual_s"]["mean"] <= high
+  for name in reward_study.VALUES:
+    assert set(saved["summary"]["estimators"][name]) == {
+        "auc_used", "spearman_use", "auc_own"}
+  assert (tmp_path / "study.png").stat().st_size > 0
+  assert "| own |" in (tmp_path / "study.md").read_text()
