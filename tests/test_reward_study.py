@@ -40,6 +40,8 @@ def test_classes_are_built_as_stated(locomo_dialogues):
     assert op.new_text in stored and op.turn_ids == stored[op.new_text]
   assert {op.new_text for op in by_class["paraphrase"]} <= {
       reward_study.paraphrase(text) for text in stored}
+  for op in by_class["paraphrase"]:  # Other words, never a stored text.
+    assert op.new_text.startswith("In short, ") and op.new_text not in stored
   own = {text for text, _ in reward_study.annotated_facts(
       dialogue, dialogue.sessions[t])}
   assert {op.new_text for op in by_class["own"]} == own
