@@ -6,7 +6,8 @@ from flax import nnx
 
 from cmimem_jax.models.qwen3 import Qwen3, positions_from_mask, preset
 from cmimem_jax.sampling import Sampler, SamplingConfig, left_pad
-from cmimem_jax.sampling.sampler import shared_prompt_group
+from cmimem_jax.sampling.sampler import (nucleus_mask, sample_token,
+                                         shared_prompt_group)
 
 PROMPTS = [[5, 17, 33, 2, 9], [44, 8], [3, 3, 3, 3, 3, 3, 3]]
 
@@ -24,6 +25,28 @@ def _full_logits(model, rows):
   logits, _ = model(jnp.asarray(tokens), positions_from_mask(mask),
                     jnp.asarray(mask))
   return np.asarray(logits), length
+
+
+def test_nucleus_keeps_what_the_sorted_definition_keeps_ties_included():
+  """Token i is kept iff the tokens strictly more probable than it hold less
+  than top_p of the mass: checked against that definition in numpy, with a
+  three-way tie at the edge (all three kept or none), a top_p below the
+  largest probability (only the argmax) and a top_p of 1 (everything with
+  non-zero mass)."""
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(5, 40)).astype(np.float32) * 3
+  logits[0, :3] = logits[0].max() + 1.0  # Three tied most-probable tokens.
+  top_p = np.array([0.5, 0.9, 0.99, 1e-6, 1.0], np.float32)
+  probs = np.asarray(jax.nn.softmax(jnp.asarray(logits), axis=-1))
+  expected = np.array([[probs[b][probs[b] > probs[b, i]].sum() < top_p[b]
+                        for i in range(40)] for b in range(5)])
+  kept = np.asarray(nucleus_mask(jnp.asarray(probs), jnp.asarray(top_p)))
+  np.testing.assert_array_equal(kept, expected)
+  assert kept[0, :3].all() and kept[3].sum() == 1 and kept[4].all()
+  tokens, _ = jax.vmap(lambda key: sample_token(
+      jnp.asarray(logits), key, 1.0, jnp.asarray(top_p)))(
+          jax.random.split(jax.random.key(0), 200))
+  assert kept[np.arange(5), np.asarray(tokens)].all()
 
 
 def test_greedy_cached_decoding_equals_recomputation(model):

@@ -398,19 +398,11 @@ def rss_bytes() -> int:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.mark.slow
-def test_load_256_mixed_chats_with_idle_and_oversized_clients(server,
-                                                              compiles):
-  """Every valid request answered correctly, every bad one a 4xx, idle
-  connections closed, and afterwards no new threads, no memory growth and
-  no compilation after the warm-up."""
-  server.batcher.warm_up()
+def load_round(server, direct: list[str]) -> None:
+  """256 mixed chats, 8 oversized requests and 50 idle connections at once:
+  every valid request answered correctly, every bad one a 413, every idle
+  connection closed by the server."""
   settings = [(0.0, 1.0, 8), (0.7, 0.9, 3), (1.0, 0.5, 5), (1.3, 1.0, 8)]
-  direct = server.batcher.policy.respond([messages(i) for i in range(8)], 8)
-  assert post(server.base_url + "/chat/completions",
-              {"messages": messages(0)})[0] == 200  # Starts the pools.
-  threads, memory, compiled = (threading.active_count(), rss_bytes(),
-                               compiles.count)
 
   def chat(i):
     temperature, top_p, max_tokens = settings[i % 4]
@@ -435,9 +427,29 @@ def test_load_256_mixed_chats_with_idle_and_oversized_clients(server,
       assert choice["message"]["content"] == direct[i % 8]
   time.sleep(2)  # serve.idle_timeout_s = 1
   assert all(closed_by_server(s) for s in idle)
+
+
+@pytest.mark.slow
+def test_load_256_mixed_chats_with_idle_and_oversized_clients(server,
+                                                              compiles):
+  """Three rounds of load (`load_round`); afterwards no new threads and no
+  compilation after the warm-up, and two more rounds grow memory by less
+  than 32 MiB. Memory is compared after the first round, not before it:
+  the first round's 256 client threads give glibc its per-thread malloc
+  arenas (~70 MiB of RSS that stays mapped), which is not a leak; a leak
+  grows with requests and shows in later rounds as much as the first."""
+  server.batcher.warm_up()
+  direct = server.batcher.policy.respond([messages(i) for i in range(8)], 8)
+  assert post(server.base_url + "/chat/completions",
+              {"messages": messages(0)})[0] == 200  # Starts the pools.
+  threads, compiled = threading.active_count(), compiles.count
+  load_round(server, direct)
+  memory = rss_bytes()
+  load_round(server, direct)
+  load_round(server, direct)
   assert compiles.count == compiled
   assert threading.active_count() == threads
-  assert rss_bytes() - memory < 64 << 20
+  assert rss_bytes() - memory < 32 << 20  # 64 KiB per request would fail.
 
 
 @pytest.mark.slow
