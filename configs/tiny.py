@@ -44,13 +44,16 @@ def get_config() -> ml_collections.ConfigDict:
       "init_checkpoint": "",
       "dtype": "float32", "param_dtype": "float32", "remat": "none",
       # models.attention.ATTENTION_IMPLS; "auto": splash on TPU, cuDNN on
-      # GPU (bf16), the blocked XLA path on CPU.
-      "attention_impl": "auto",
+      # GPU (bf16), the blocked XLA path on CPU. The tiny model's scores fit
+      # in one batched dot, 3x faster per step here than the blocked path.
+      "attention_impl": "batched",
       "max_position_embeddings": 2048})
   config.rollout = ml_collections.ConfigDict({
       "engine": "jax", "num_rollouts": 4, "temperature": 1.0, "top_p": 1.0,
       "max_new_tokens": 24, "max_prompt_tokens": 1024,
-      "buckets": (512, 640, 768, 1024),
+      # One prompt bucket: every step reuses one compiled sampler and train
+      # step (the tiny model pads cheaply; a real run wants several).
+      "buckets": (1024,),
       # JAX engine: decode at most this many rows at once, in whole groups
       # of num_rollouts (0 = the whole batch); bounds the KV cache.
       "max_rows_per_wave": 0,

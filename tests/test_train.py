@@ -106,7 +106,8 @@ class ScriptedEngine:
                row_budgets=None, constrained=True):
     del key, temperature, top_p, max_new_tokens, row_budgets, constrained
     tokenizer = self.tokenizer
-    length = bucket_length(max(len(p) for p in prompts), (512, 1024))
+    # configs/tiny.py's one bucket: the same compiled train step as a run.
+    length = bucket_length(max(len(p) for p in prompts), (1024,))
     prompt_tokens, prompt_mask = left_pad(prompts, length, 0)
     texts = [RESPONSES[i % len(RESPONSES)] for i in range(len(prompts))]
     encoded = [tokenizer.encode(t, add_special_tokens=False) for t in texts]

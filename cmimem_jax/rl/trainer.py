@@ -185,6 +185,36 @@ def jit_train_step(graphdef: nnx.GraphDef, config: TrainStepConfig,
       static_argnums=(0,), donate_argnums=(1, 2))
 
 
+@dataclasses.dataclass(frozen=True)
+class _StepPrograms:
+  """What a learner compiles, shared by every learner of the same model
+  shape, objective, mesh and rules in a process (a resumed run, an SFT
+  learner then a GRPO one): each program is traced and compiled once."""
+  optimizer: optax.GradientTransformation
+  param_shardings: Any
+  opt_shardings: Any
+  init_opt_state: Any   # jitted `optimizer.init`, sharded output.
+  step: Any             # `jit_train_step`'s function.
+
+
+@functools.lru_cache(maxsize=4)
+def _step_programs(graphdef: nnx.GraphDef, config: TrainStepConfig,
+                   mesh: Mesh, rules: tuple[tuple[str, P], ...],
+                   abstract_treedef: Any,
+                   abstract_leaves: tuple[jax.ShapeDtypeStruct, ...]
+                   ) -> _StepPrograms:
+  abstract = jax.tree.unflatten(abstract_treedef, abstract_leaves)
+  shardings = param_shardings(abstract, mesh, rules)
+  optimizer = make_optimizer(config.optimizer)
+  opt_shardings = optimizer_shardings(optimizer, abstract, shardings, mesh)
+  return _StepPrograms(
+      optimizer, shardings, opt_shardings,
+      jax.jit(optimizer.init, out_shardings=opt_shardings),
+      jit_train_step(graphdef, config, mesh, optimizer, shardings,
+                     opt_shardings,
+                     with_reference=config.loss.uses_reference))
+
+
 class Learner:
   """Holds the sharded policy/optimizer state and the compiled step.
 
@@ -208,15 +238,17 @@ class Learner:
                keep_reference: bool = False):
     self.config, self.mesh = config, mesh
     self.graphdef, state = nnx.split(model, nnx.Param)
-    abstract = jax.eval_shape(lambda: nnx.to_pure_dict(state))
-    self.param_shardings = param_shardings(abstract, mesh, rules)
-    self.optimizer = make_optimizer(config.optimizer)
-    self.opt_shardings = optimizer_shardings(
-        self.optimizer, abstract, self.param_shardings, mesh)
+    leaves, treedef = jax.tree.flatten(
+        jax.eval_shape(lambda: nnx.to_pure_dict(state)))
+    programs = _step_programs(self.graphdef, config, mesh,
+                              tuple((pattern, spec) for pattern, spec in rules),
+                              treedef, tuple(leaves))
+    self.optimizer = programs.optimizer
+    self.param_shardings = programs.param_shardings
+    self.opt_shardings = programs.opt_shardings
     self.params = jax.device_put(nnx.to_pure_dict(state),
                                  self.param_shardings)
-    self.opt_state = jax.jit(self.optimizer.init,
-                             out_shardings=self.opt_shardings)(self.params)
+    self.opt_state = programs.init_opt_state(self.params)
     self.ref_params = None
     if config.loss.uses_reference or keep_reference:
       source = self.params if reference is None else nnx.to_pure_dict(
@@ -230,9 +262,7 @@ class Learner:
     self.min_budget = None if min_budget is None else jax.device_put(
         min_budget, NamedSharding(mesh, P()))
     self.skipped_updates = 0  # Non-finite steps not applied (this run).
-    self._step = jit_train_step(self.graphdef, config, mesh, self.optimizer,
-                                self.param_shardings, self.opt_shardings,
-                                with_reference=config.loss.uses_reference)
+    self._step = programs.step
 
   @property
   def model(self) -> Qwen3:

@@ -13,7 +13,7 @@ import pytest
 from cmimem_jax.client import CallResult
 from cmimem_jax.memory import MemoryBank
 from cmimem_jax.rl import read_metrics
-from cmimem_jax.sampling.sampler import SampleOutput, left_pad
+from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
 from cmimem_jax.task.episode import policy_messages
 from cmimem_jax.task.loop import Trainer
 from cmimem_jax.task.snapshots import TEACHER_LOG, teacher_records
@@ -103,7 +103,9 @@ class CopyingEngine:
                row_budgets=None, constrained=True):
     tokens = np.tile(np.asarray(self.ids, np.int32), (len(prompts), 1))
     del key, temperature, top_p, max_new_tokens, row_budgets, constrained
-    prompt, mask = left_pad(prompts, max(len(p) for p in prompts), 0)
+    # configs/tiny.py's one bucket: one compiled train step for every step.
+    prompt, mask = left_pad(prompts, bucket_length(
+        max(len(p) for p in prompts), (1024,)), 0)
     return SampleOutput(tokens, np.full(tokens.shape, -1.0, np.float32),
                         np.full(len(prompts), len(self.ids)), prompt, mask)
 
