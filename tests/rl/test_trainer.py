@@ -149,6 +149,24 @@ def test_same_step_on_one_and_eight_devices():
                          for m in moments)
 
 
+def test_learners_of_one_model_and_objective_share_their_compiled_step(
+    compiles):
+  """A second learner (a resumed run, a second trainer in one process)
+  reuses the first one's compiled step with its own weights; a model that
+  differs in a static setting compiles its own."""
+  mesh, batch = one_device_mesh(), synthetic_batch(0)
+  first = Learner(tiny_model(0), config(), mesh).step(batch)
+  before = compiles.count
+  second = Learner(tiny_model(1), config(), mesh).step(batch)
+  assert compiles.count == before
+  assert second["loss"] != first["loss"]  # Its own weights, not the first's.
+  other = Qwen3(preset("tiny", vocab_size=VOCAB, attention_impl="per_head"),
+                rngs=nnx.Rngs(1))
+  third = Learner(other, config(), mesh).step(batch)
+  assert compiles.count > before
+  assert third["loss"] == pytest.approx(second["loss"], abs=1e-5)
+
+
 def test_batch_validation_messages():
   trainer = Learner(tiny_model(), config(micro_batches=3),
                     one_device_mesh())
