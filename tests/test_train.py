@@ -40,6 +40,9 @@ def tiny_config(**overrides):
 
 
 VALIDATION = {"rl.validation_sessions": 2, "rl.eval_every": 2}
+# Scripted engines pad prompts to the run's buckets: the same compiled
+# train step as a real run of the config.
+TINY_BUCKETS = tuple(tiny_config().rollout.buckets)
 
 
 def test_tiny_run_writes_checkpoints_and_resumes(tmp_path):
@@ -106,8 +109,7 @@ class ScriptedEngine:
                row_budgets=None, constrained=True):
     del key, temperature, top_p, max_new_tokens, row_budgets, constrained
     tokenizer = self.tokenizer
-    # configs/tiny.py's one bucket: the same compiled train step as a run.
-    length = bucket_length(max(len(p) for p in prompts), (1024,))
+    length = bucket_length(max(len(p) for p in prompts), TINY_BUCKETS)
     prompt_tokens, prompt_mask = left_pad(prompts, length, 0)
     texts = [RESPONSES[i % len(RESPONSES)] for i in range(len(prompts))]
     encoded = [tokenizer.encode(t, add_special_tokens=False) for t in texts]

@@ -22,7 +22,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
 import build_expert_states  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from test_train import tiny_config  # noqa: E402
+from test_train import TINY_BUCKETS, tiny_config  # noqa: E402
 
 MARKER = "Expert marker: the user drinks green tea"
 
@@ -103,9 +103,8 @@ class CopyingEngine:
                row_budgets=None, constrained=True):
     tokens = np.tile(np.asarray(self.ids, np.int32), (len(prompts), 1))
     del key, temperature, top_p, max_new_tokens, row_budgets, constrained
-    # configs/tiny.py's one bucket: one compiled train step for every step.
     prompt, mask = left_pad(prompts, bucket_length(
-        max(len(p) for p in prompts), (1024,)), 0)
+        max(len(p) for p in prompts), TINY_BUCKETS), 0)
     return SampleOutput(tokens, np.full(tokens.shape, -1.0, np.float32),
                         np.full(len(prompts), len(self.ids)), prompt, mask)
 
