@@ -8,9 +8,12 @@ sharding, so a sharded model never needs a full host copy per device.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -338,11 +341,58 @@ def load_gguf(path: str, sharding_fn: ShardingFn | None = None,
   return load_tensors(abstract_model(config), get, sharding_fn)
 
 
-def load_gguf_tokenizer(path: str):
-  """The tokenizer (with chat template) stored in the same GGUF file."""
+def cache_dir() -> str:
+  """Where converted artifacts are kept: `$CMIMEM_CACHE_DIR`, else
+  `$XDG_CACHE_HOME/cmimem_jax`, else `~/.cache/cmimem_jax`."""
+  if os.environ.get("CMIMEM_CACHE_DIR"):
+    return os.environ["CMIMEM_CACHE_DIR"]
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+      os.path.expanduser("~"), ".cache")
+  return os.path.join(root, "cmimem_jax")
+
+
+def convert_gguf_tokenizer(path: str):
+  """The tokenizer (with chat template) stored in a GGUF file, converted
+  by `transformers` (seconds: its reader walks every vocabulary entry)."""
   from transformers import AutoTokenizer
   return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                        gguf_file=os.path.basename(path))
+
+
+def load_gguf_tokenizer(path: str):
+  """The tokenizer (with chat template) stored in the same GGUF file.
+
+  Converted once per file (path, size, modification time) and kept as an
+  HF tokenizer directory under `cache_dir()/tokenizers`, which loads in
+  ~0.2 s against 5-8 s for the conversion. An unwritable or damaged cache
+  is logged and bypassed, never fatal.
+  """
+  from absl import logging
+  from transformers import AutoTokenizer
+  stat = os.stat(path)
+  key = hashlib.sha256(f"{os.path.realpath(path)}|{stat.st_size}|"
+                       f"{stat.st_mtime_ns}".encode()).hexdigest()[:20]
+  cached = os.path.join(cache_dir(), "tokenizers", key)
+  if os.path.isdir(cached):
+    try:
+      return AutoTokenizer.from_pretrained(cached)
+    except (OSError, ValueError) as error:
+      logging.warning("tokenizer cache %s unreadable (%s); converting %s "
+                      "again", cached, error, path)
+  tokenizer = convert_gguf_tokenizer(path)
+  staging = ""
+  try:
+    os.makedirs(os.path.dirname(cached), exist_ok=True)
+    staging = tempfile.mkdtemp(dir=os.path.dirname(cached), prefix=".tmp-")
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(cached, ignore_errors=True)  # A damaged earlier copy.
+    os.rename(staging, cached)  # Atomic: readers see all of it or none.
+  except OSError as error:  # Read-only home, or another process won.
+    logging.warning("tokenizer of %s not cached in %s: %s", path, cached,
+                    error)
+    if staging:
+      shutil.rmtree(staging, ignore_errors=True)
+  return tokenizer
 
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
