@@ -1,3 +1,4 @@
+import json
 import os
 
 import numpy as np
@@ -77,5 +78,6 @@ def test_cached_gguf_tokenizer_equals_the_conversion(tmp_path, monkeypatch):
   (copy_dir / "tokenizer.json").write_text("{not json")
   repaired = load_gguf_tokenizer(path)
   assert repaired.encode(text) == fresh.encode(text)
-  assert load_gguf_tokenizer(path).encode(text) == fresh.encode(text)
   assert os.listdir(tmp_path / "tokenizers") == [entry]
+  json.loads((copy_dir / "tokenizer.json").read_text())  # Replaced.
+  assert load_gguf_tokenizer(path).encode(text) == fresh.encode(text)
