@@ -1,6 +1,8 @@
-"""A laptop-CPU reproduction of the whole recipe (about an hour on 2
-cores): warm start -> GRPO -> evaluation of the initial, warm-started and
-RL policies on LoCoMo conversations no training step saw.
+"""A laptop-CPU reproduction of the whole recipe (about 2.5 hours on 2
+cores, in stages that can run separately): warm start -> GRPO with the
+CMI+QA reward and with the QA reward alone -> evaluation of the initial,
+warm-started and both RL policies on LoCoMo conversations no training
+step saw.
 
   python tools/reproduce.py --config=configs/small_repro.py --workdir=DIR
 
@@ -8,9 +10,11 @@ Models: SmolLM2-135M-Instruct (embedded GGUF) + all-MiniLM-L6-v2, every
 response grammar-constrained to valid DSL. Split (LoCoMo `locomo10.json`,
 10 conversations in file order):
 - warm start: the annotation teacher (observations / event summaries as
-  DSL) on conversations 0-7 (`repro.teacher_dialogues`);
-- GRPO: the bundled LongMemEval training sample (per-session QA, the
-  demo's data: LoCoMo has no single-session QA pairs to reward);
+  DSL) on conversations 0-7 (`repro.teacher_dialogues`); 16 steps of 2
+  trajectories, those with prompts up to 2,048 tokens (a step of two
+  2k-token rows takes ~75 s here: all 217 would take over 2 hours);
+- GRPO, both arms: the bundled LongMemEval training sample (per-session
+  QA, the demo's data: LoCoMo has no single-session QA pairs to reward);
 - evaluation: conversations 8-9 (conv-49, conv-50), `method=policy`,
   `context_recall`, evidence-turn recall (`repro.eval_dialogues`).
 
@@ -33,10 +37,15 @@ def get_config() -> ml_collections.ConfigDict:
       "weight_decay": 0.0, "grad_clip_norm": 1.0,
       "max_prompt_tokens": 2048, "max_response_tokens": 384,
       "buckets": (1024, 1536, 2048), "logprob_chunk": 128})
-  # Two held-out training sessions scored every 2 steps: the validation
-  # curve (validation.png) that picks a checkpoint or learning rate.
-  config.rl.update({"max_steps": 6, "validation_sessions": 2,
+  # Groups of 4 rollouts (GRPO's advantages need spread within a group);
+  # 10 steps of 3 sessions per arm. Two held-out training sessions are
+  # answered greedily every 2 steps: the validation curve
+  # (validation.png), on which each arm's evaluated checkpoint is chosen
+  # (every 2nd step is kept for that), never on the evaluation dialogues.
+  config.rollout.num_rollouts = 4
+  config.rl.update({"max_steps": 10, "validation_sessions": 2,
                     "eval_every": 2})
+  config.checkpoint.update({"keep": 1, "keep_period": 2})
   config.repro = ml_collections.ConfigDict({
       "locomo": "../shared/data/locomo/locomo10.json",
       "teacher_dialogues": "0:8", "eval_dialogues": "8:10"})

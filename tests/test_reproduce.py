@@ -1,8 +1,18 @@
 """tools/reproduce.py: the RESULTS.md table and the training plots, from
 metrics and evaluation results shaped like the real jobs write them."""
 
+import json
 import os
 import sys
+import types
+
+import numpy as np
+import pytest
+from absl import app
+
+from cmimem_jax.memory import MemoryBank
+from cmimem_jax.memory.types import MemoryEntry, MemoryType
+from configs import small_repro
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import reproduce  # noqa: E402
@@ -49,3 +59,159 @@ def test_plots_are_written_and_counts_stay_off_the_reward_axes(tmp_path):
   assert reproduce.reward_terms(rl) == ["reward/cmi", "reward/qa"]
   assert reproduce.plot_training(rl, [], str(tmp_path))[-1] == (
       "validation.png")
+
+
+def test_stages_expand_in_pipeline_order_and_unknown_ones_are_refused():
+  assert reproduce.parse_stages(["all"]) == list(reproduce.STAGES)
+  assert reproduce.parse_stages(["report", "evaluate", "teacher"]) == [
+      "teacher", "eval_initial", "eval_warm_start", "eval_rl",
+      "eval_rl_qa_only", "report"]
+  with pytest.raises(app.UsageError, match="unknown stage 'grpo_qa'"):
+    reproduce.parse_stages(["grpo_qa"])
+
+
+def _records(scores: dict[str, tuple[str, float | None]]) -> dict:
+  return {qid: {"question_id": qid, "category": category,
+                "context_recall": value, "evidence_recall": None}
+          for qid, (category, value) in scores.items()}
+
+
+def test_paired_differences_pair_questions_and_leave_adversarial_out():
+  base = _records({"a": ("single-hop", 0.0), "b": ("temporal", 0.5),
+                   "c": ("adversarial", 0.0), "d": ("single-hop", 1.0),
+                   "e": ("temporal", None)})
+  better = _records({"a": ("single-hop", 1.0), "b": ("temporal", 1.0),
+                     "c": ("adversarial", 1.0), "d": ("single-hop", 1.0),
+                     "e": ("temporal", 1.0)})
+  rows = reproduce.paired_differences({"warm_start": base, "rl": better,
+                                       "initial": base})
+  # rl vs warm_start, warm_start vs initial; no QA-only arm evaluated;
+  # evidence recall is None everywhere: no row.
+  assert [(r["policy"], r["baseline"]) for r in rows] == [
+      ("warm_start", "initial"), ("rl", "warm_start")]
+  same, gain = rows
+  assert same["difference"] == 0.0 and same["ci95"] == [0.0, 0.0]
+  # a, b, d: adversarial c and unscored e are out.
+  assert gain["n"] == 3
+  assert gain["difference"] == pytest.approx((1.0 + 0.5 + 0.0) / 3)
+  assert gain["policy_mean"] == 1.0 and gain["baseline_mean"] == 0.5
+  low, high = gain["ci95"]
+  assert 0.0 <= low < gain["difference"] < high <= 1.0
+  table = reproduce.differences_table(rows).splitlines()
+  assert table[3] == ("| rl − warm_start | context_recall | 3 | 1.000 | "
+                      f"0.500 | +0.500 [{low:+.3f}, {high:+.3f}] |")
+
+
+def test_checkpoint_is_chosen_on_validation_among_kept_steps():
+  metrics = [{"step": 1, "eval/qa": 0.9}, {"step": 2, "eval/qa": 0.3},
+             {"step": 3}, {"step": 4, "eval/qa": 0.5},
+             {"step": 5, "eval/qa": 0.5}, {"step": 6, "eval/qa": 0.5}]
+  # Step 1 has no kept checkpoint (period 2); 4 and 6 tie: the earlier.
+  assert reproduce.chosen_step(metrics, 2) == 4
+  assert reproduce.chosen_step([{"step": 2}], 2) == 0
+  assert reproduce.chosen_step(metrics, 0) == 0
+
+
+def test_arms_table_sets_the_two_runs_side_by_side():
+  def run(pg: list[float]) -> list[dict]:
+    return [{"step": s + 1, "reward_mean": 0.5, "reward/qa": 0.4,
+             "reward/cmi": 0.1, "response_tokens_mean": 50.0 + s,
+             "pg_loss": v, "validity_rate": 1.0, "kl": 0.01,
+             **({"eval/qa": 0.2 * s, "eval/reward": 0.3} if s % 2 else {})}
+            for s, v in enumerate(pg)]
+  table = reproduce.arms_table({"CMI+QA": run([0.1, -0.1]),
+                                "QA only": run([0.3, 0.5])}, 2)
+  lines = table.splitlines()
+  assert lines[0] == "| measure | CMI+QA | QA only |"
+  rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in lines}
+  assert rows["policy-gradient loss"] == ["0.0000 ± 0.1000",
+                                          "0.4000 ± 0.1000 |"]
+  assert rows["|policy-gradient loss|"][0] == "0.1000 ± 0.0000"
+  assert rows["response tokens"][0] == "50.5000 ± 0.5000"
+  assert rows["evaluated step (best validation QA)"] == ["2", "2 |"]
+
+
+def test_bank_sizes_count_entries_per_type(tmp_path):
+  bank = MemoryBank("u", 4)
+  bank.core = "likes tea"
+  entry = MemoryEntry("e1", MemoryType.EPISODIC, "went hiking", 0, 0, 0)
+  bank.stores[MemoryType.EPISODIC].add(entry, np.ones(4, np.float32))
+  bank.save(str(tmp_path / "conv-1"))
+  MemoryBank("v", 4).save(str(tmp_path / "conv-2"))
+  assert reproduce.bank_sizes(str(tmp_path)) == {
+      "core chars": 9, "episodic": 1, "semantic": 0, "procedural": 0}
+  assert reproduce.bank_sizes(str(tmp_path / "missing")) is None
+
+
+def test_stages_run_once_in_order_and_resume(tmp_path, monkeypatch):
+  """Stage bookkeeping with the jobs replaced by recorders: a stage whose
+  input is missing is refused, a finished one is skipped on a rerun, and
+  the QA-only arm differs from the CMI+QA one in alpha alone."""
+  dialogues = [types.SimpleNamespace(dialogue_id=f"conv-{i}")
+               for i in range(10)]
+  calls = []
+  monkeypatch.setattr(reproduce, "load_dataset", lambda *_: dialogues)
+  monkeypatch.setattr(reproduce, "make_encoder", lambda _: None)
+  monkeypatch.setattr(reproduce, "annotation_trajectories",
+                      lambda teachers, *_: (calls.append(
+                          ("teacher", len(teachers))) or [{"x": 1}], 0))
+  monkeypatch.setattr(reproduce, "run_sft", lambda c, d: calls.append(
+      ("warm_start", os.path.basename(d))))
+  monkeypatch.setattr(reproduce, "train", lambda c, d: calls.append(
+      ("train", os.path.basename(d), c.reward.alpha,
+       os.path.basename(c.policy.init_checkpoint))) or "")
+  config = small_repro.get_config()
+  workdir = str(tmp_path)
+  with pytest.raises(app.UsageError, match="run --stages=warm_start"):
+    reproduce.reproduce(config, workdir, ["grpo"])
+  reproduce.reproduce(config, workdir, ["teacher", "warm_start", "grpo",
+                                        "grpo_qa_only"])
+  assert calls == [("teacher", 8), ("warm_start", "sft"),
+                   ("train", "rl", config.reward.alpha, "sft"),
+                   ("train", "rl_qa_only", 0.0, "sft")]
+  assert config.reward.alpha > 0  # The arms run on copies.
+  reproduce.reproduce(config, workdir, ["teacher", "warm_start"])
+  assert len(calls) == 4
+  assert set(json.loads((tmp_path / "stages.json").read_text())) == {
+      "teacher", "warm_start", "grpo", "grpo_qa_only"}
+  with pytest.raises(app.UsageError, match="no policy evaluated yet"):
+    reproduce.reproduce(config, workdir, ["report"])
+
+
+def test_report_is_written_from_what_has_been_evaluated(tmp_path,
+                                                        monkeypatch):
+  """RESULTS.md from two evaluated policies and both arms' metrics: the
+  paired differences, the arms side by side, the banks and the plots."""
+  dialogues = [types.SimpleNamespace(dialogue_id=f"conv-{i}")
+               for i in range(10)]
+  monkeypatch.setattr(reproduce, "load_dataset", lambda *_: dialogues)
+  for policy, value in (("initial", 0.0), ("warm_start", 1.0)):
+    directory = tmp_path / "eval" / policy
+    directory.mkdir(parents=True)
+    (directory / "results.json").write_text(json.dumps(_result(value, 0.0)))
+    (directory / "predictions.jsonl").write_text("".join(
+        json.dumps(r) + "\n" for r in _records(
+            {"a": ("single-hop", value), "b": ("temporal", 0.0)}).values()))
+    MemoryBank("u", 4).save(str(directory / "banks" / "policy" / "conv-8"))
+  for run, pg in (("rl", 0.01), ("rl_qa_only", -0.2)):
+    (tmp_path / run).mkdir()
+    (tmp_path / run / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step": s, "pg_loss": pg * s, "reward/qa": 0.1, "kl": 0.0,
+         "validity_rate": 1.0, "response_tokens_mean": 40.0,
+         "reward_group_std": 0.1}) + "\n" for s in (1, 2)))
+  (tmp_path / "stages.json").write_text(json.dumps({"eval_initial": 9.5}))
+  text = reproduce.reproduce(small_repro.get_config(), str(tmp_path),
+                             ["report"])
+  assert (tmp_path / "RESULTS.md").read_text() == text
+  assert ("| warm_start − initial | context_recall | 2 | 0.500 | 0.000 | "
+          "+0.500 [") in text
+  assert "| measure | CMI+QA | QA only |" in text
+  assert "| policy-gradient loss | 0.0150 ± 0.0050 | -0.3000 ± 0.1000 |" in (
+      text)
+  assert "| warm_start | 0 | 0 | 0 | 0 |" in text
+  assert "| eval_initial | 9.5 |" in text
+  for name in ("reward_terms.png", "rollout_stats.png", "arms.png"):
+    assert f"![{name}]({name})" in text
+    assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+  assert json.loads((tmp_path / "differences.json").read_text())[0][
+      "policy"] == "warm_start"

@@ -1,43 +1,75 @@
-"""The small reproduction, end to end: warm start -> GRPO -> held-out
-evaluation of the initial, warm-started and RL policies, with a results
-table and plots.
+"""The small reproduction, end to end: warm start -> GRPO with the
+CMI+QA reward and, from the same warm start with the same budget, with
+the QA reward alone (alpha = 0) -> held-out evaluation of the initial,
+warm-started and both RL policies, with results tables (paired 95%
+bootstrap intervals over questions) and plots.
 
-  python tools/reproduce.py --config=configs/small_repro.py --workdir=DIR
+  python tools/reproduce.py --config=configs/small_repro.py --workdir=DIR \
+      [--stages=all]
 
-Steps (each resumes or is skipped when its output exists, so a rerun
-continues after a crash):
-1. `DIR/sft_data.jsonl`: LoCoMo annotation trajectories of
-   `repro.teacher_dialogues` (`tools/make_sft_data.py`'s teacher (a)).
-2. `DIR/sft/`: the warm start (`python -m cmimem_jax.sft`).
-3. `DIR/rl/`: GRPO from the warm start (`python -m cmimem_jax.train`).
-4. `DIR/eval/{initial,warm_start,rl}/`: `cmimem_jax.evaluate` with
-   `method=policy` on `repro.eval_dialogues`.
-5. `DIR/RESULTS.md` (the split, the per-category table, the commands'
-   wall times) and `DIR/*.png` (every reward term, validity, response
-   length and KL per GRPO step; the warm-start loss).
+Stages (`--stages`, comma-separated, in this order; `all`, or `evaluate`
+for the four evaluations). A finished stage is recorded in
+`DIR/stages.json` and skipped on a rerun; an interrupted one resumes
+from its checkpoints / written predictions, so a run can be spread over
+several invocations:
+- `teacher`: `DIR/sft_data.jsonl`, LoCoMo annotation trajectories of
+  `repro.teacher_dialogues` (`tools/make_sft_data.py`'s teacher (a)).
+- `warm_start`: `DIR/sft/` (`python -m cmimem_jax.sft`).
+- `grpo`: `DIR/rl/`, GRPO from the warm start with the config's reward.
+- `grpo_qa_only`: `DIR/rl_qa_only/`, the same with `reward.alpha = 0`
+  (the QA-only arm of Tables 3 / 8 and Figure 4).
+- `eval_initial`, `eval_warm_start`, `eval_rl`, `eval_rl_qa_only`:
+  `DIR/eval/<policy>/`, `cmimem_jax.evaluate` with `method=policy` on
+  `repro.eval_dialogues`.
+- `report`: `DIR/RESULTS.md` (split, per-category table, paired
+  differences with intervals, the two arms side by side, every stage's
+  wall time) and `DIR/*.png`, from whatever has been evaluated so far.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from absl import app, flags  # noqa: E402
+import numpy as np  # noqa: E402
 
-from cmimem_jax.config import define_command_line_flags  # noqa: E402
+from cmimem_jax.config import run_command  # noqa: E402
 from cmimem_jax.data import load_dataset  # noqa: E402
 from cmimem_jax.encoders import make_encoder  # noqa: E402
-from cmimem_jax.evaluation.run import evaluate  # noqa: E402
+from cmimem_jax.evaluation.metrics import bootstrap_interval  # noqa: E402
+from cmimem_jax.evaluation.run import evaluate, read_records  # noqa: E402
+from cmimem_jax.memory import MemoryBank  # noqa: E402
+from cmimem_jax.memory.types import ENTRY_TYPES  # noqa: E402
 from cmimem_jax.rl import read_metrics  # noqa: E402
 from cmimem_jax.task.loop import train  # noqa: E402
 from cmimem_jax.task.warm_start import (annotation_trajectories,  # noqa: E402
                                         run_sft, write_jsonl)
 
-POLICIES = ("initial", "warm_start", "rl")
+# Policy -> the training stage that makes it ("" for the untrained one).
+POLICIES = {"initial": "", "warm_start": "warm_start", "rl": "grpo",
+            "rl_qa_only": "grpo_qa_only"}
+STAGES = ("teacher", "warm_start", "grpo", "grpo_qa_only",
+          *(f"eval_{p}" for p in POLICIES), "report")
+# Paired comparisons reported with intervals: (policy, baseline).
+COMPARISONS = (("warm_start", "initial"), ("rl", "warm_start"),
+               ("rl_qa_only", "warm_start"), ("rl", "rl_qa_only"))
+# The two GRPO arms: stage -> (label, run directory).
+ARMS = {"grpo": ("CMI+QA", "rl"), "grpo_qa_only": ("QA only", "rl_qa_only")}
+# Policy made by each training stage.
+POLICIES_OF = {stage: policy for policy, stage in POLICIES.items() if stage}
+ARM_POLICIES = {POLICIES_OF[stage] for stage in ARMS}
+
+flags.DEFINE_list("stages", ["all"], "Stages to run, in order: "
+                  f"{', '.join(STAGES)}; `all`, or `evaluate` for the "
+                  "four evaluations.")
 
 
 def _slice(text: str) -> slice:
@@ -45,11 +77,12 @@ def _slice(text: str) -> slice:
   return slice(int(start) if start else None, int(stop) if stop else None)
 
 
-def _timed(wall: dict[str, float], name: str, fn, *args):
-  start = time.perf_counter()
-  out = fn(*args)
-  wall[name] = round(time.perf_counter() - start, 1)
-  return out
+def _pyplot():
+  """matplotlib's pyplot on the file-only backend (no display needed)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
 
 
 def reward_terms(rl_metrics: list[dict]) -> list[str]:
@@ -64,9 +97,7 @@ def plot_training(rl_metrics: list[dict], sft_metrics: list[dict],
   """The PNGs: reward terms, validity / length / KL per GRPO step, the
   validation curve (when the run held sessions out) and the warm-start
   loss. Returns their file names."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = _pyplot()
   steps = [m["step"] for m in rl_metrics]
   names = []
   fig, ax = plt.subplots(figsize=(9, 4))
@@ -150,10 +181,229 @@ def results_table(results: dict[str, dict]) -> str:
   return "\n".join(lines)
 
 
-def reproduce(config, workdir: str) -> str:
-  """Runs (or resumes) every step; returns RESULTS.md's text."""
+def parse_stages(names: list[str]) -> list[str]:
+  """The requested stages in pipeline order (`all`, `evaluate` expand).
+
+  Raises:
+    app.UsageError: on an unknown name.
+  """
+  wanted = set()
+  for name in (n.strip() for n in names):
+    if name == "all":
+      wanted.update(STAGES)
+    elif name == "evaluate":
+      wanted.update(s for s in STAGES if s.startswith("eval_"))
+    elif name in STAGES:
+      wanted.add(name)
+    else:
+      raise app.UsageError(f"unknown stage {name!r}; stages: "
+                           f"{', '.join(STAGES)}, all, evaluate")
+  return [s for s in STAGES if s in wanted]
+
+
+class StageRecord:
+  """`DIR/stages.json`: the finished stages and their wall seconds."""
+
+  def __init__(self, workdir: str):
+    self.path = os.path.join(workdir, "stages.json")
+    self.done: dict[str, float] = {}
+    if os.path.exists(self.path):
+      with open(self.path) as f:
+        self.done = json.load(f)
+
+  def finish(self, stage: str, seconds: float) -> None:
+    self.done[stage] = round(seconds, 1)
+    staging = self.path + ".tmp"
+    with open(staging, "w") as f:
+      json.dump(self.done, f, indent=1)
+    os.replace(staging, self.path)
+
+
+# The stage whose output a stage starts from.
+NEEDS = {"warm_start": "teacher", "grpo": "warm_start",
+         "grpo_qa_only": "warm_start",
+         **{f"eval_{p}": stage for p, stage in POLICIES.items() if stage}}
+
+
+def arm_config(config, stage: str, warm_start_dir: str):
+  """GRPO from the warm start; the QA-only arm sets alpha = 0 (Eq. 12) and
+  changes nothing else."""
+  arm = copy.deepcopy(config)
+  arm.policy.init_checkpoint = warm_start_dir
+  if stage == "grpo_qa_only":
+    arm.reward.alpha = 0.0
+  return arm
+
+
+def paired_differences(records: dict[str, dict[str, dict]],
+                       metrics: Sequence[str] = ("context_recall",
+                                                 "evidence_recall"),
+                       excluded: Sequence[str] = ("adversarial",),
+                       seed: int = 0) -> list[dict]:
+  """`COMPARISONS` of the evaluated policies on the questions both scored
+  (categories in `excluded` left out, as the overall figure does): the
+  mean per-question difference and its 95% paired bootstrap interval.
+
+  Args:
+    records: policy -> question id -> evaluation record.
+  """
+  rng = np.random.default_rng(seed)
+  rows = []
+  for policy, baseline in COMPARISONS:
+    if policy not in records or baseline not in records:
+      continue
+    for metric in metrics:
+      pairs = [(record[metric], records[baseline][qid][metric])
+               for qid, record in records[policy].items()
+               if record.get("category") not in excluded
+               and record.get(metric) is not None
+               and records[baseline].get(qid, {}).get(metric) is not None]
+      if not pairs:
+        continue
+      ours, theirs = (np.array(v, float) for v in zip(*pairs))
+      low, high = bootstrap_interval(ours - theirs, rng)
+      rows.append({"policy": policy, "baseline": baseline, "metric": metric,
+                   "n": len(pairs), "policy_mean": float(ours.mean()),
+                   "baseline_mean": float(theirs.mean()),
+                   "difference": float((ours - theirs).mean()),
+                   "ci95": [low, high]})
+  return rows
+
+
+def differences_table(rows: list[dict]) -> str:
+  lines = ["| policy − baseline | metric | n | policy | baseline | "
+           "difference [95% CI] |", "|---|---|---|---|---|---|"]
+  for r in rows:
+    low, high = r["ci95"]
+    lines.append(f"| {r['policy']} − {r['baseline']} | {r['metric']} | "
+                 f"{r['n']} | {r['policy_mean']:.3f} | "
+                 f"{r['baseline_mean']:.3f} | {r['difference']:+.3f} "
+                 f"[{low:+.3f}, {high:+.3f}] |")
+  return "\n".join(lines)
+
+
+def bank_sizes(directory: str) -> dict[str, int] | None:
+  """Entries per memory type summed over the banks under `directory` (one
+  folder per dialogue), and the core block's length in characters."""
+  if not os.path.isdir(directory):
+    return None
+  sizes = {"core chars": 0, **{t.value.lower(): 0 for t in ENTRY_TYPES}}
+  for name in sorted(os.listdir(directory)):
+    bank = MemoryBank.load(os.path.join(directory, name))
+    sizes["core chars"] += len(bank.core)
+    for memory_type in ENTRY_TYPES:
+      sizes[memory_type.value.lower()] += len(bank.entries(memory_type))
+  return sizes
+
+
+def _over_steps(metrics: list[dict], key: str) -> list[float]:
+  return [float(m[key]) for m in metrics if m.get(key) is not None]
+
+
+def arms_table(arms: dict[str, list[dict]], period: int) -> str:
+  """The GRPO arms side by side (Table 8 / Figure 4's measures): rewards,
+  response length and policy-gradient loss over the steps, KL and
+  validation at the last, and the checkpoint evaluated (`chosen_step`)."""
+  def mean_std(values: list[float]) -> str:
+    return (f"{np.mean(values):.4f} ± {np.std(values):.4f}" if values
+            else "—")
+
+  def last(values: list[float]) -> str:
+    return f"{values[-1]:.4f}" if values else "—"
+
+  rows = [("steps", lambda m: str(len(m))),
+          ("reward (mean ± std over steps)",
+           lambda m: mean_std(_over_steps(m, "reward_mean"))),
+          ("QA term", lambda m: mean_std(_over_steps(m, "reward/qa"))),
+          ("CMI term", lambda m: mean_std(_over_steps(m, "reward/cmi"))),
+          ("response tokens", lambda m: mean_std(
+              _over_steps(m, "response_tokens_mean"))),
+          ("policy-gradient loss", lambda m: mean_std(
+              _over_steps(m, "pg_loss"))),
+          ("|policy-gradient loss|", lambda m: mean_std(
+              [abs(v) for v in _over_steps(m, "pg_loss")])),
+          ("validity (last step)", lambda m: last(
+              _over_steps(m, "validity_rate"))),
+          ("KL to the reference (last step)", lambda m: last(
+              _over_steps(m, "kl"))),
+          ("validation reward (last)", lambda m: last(
+              _over_steps(m, "eval/reward"))),
+          ("validation QA (last)", lambda m: last(_over_steps(m, "eval/qa"))),
+          ("evaluated step (best validation QA)",
+           lambda m: str(chosen_step(m, period) or "newest"))]
+  lines = ["| measure | " + " | ".join(arms) + " |",
+           "|---|" + "---|" * len(arms)]
+  lines += [f"| {name} | " + " | ".join(cell(m) for m in arms.values())
+            + " |" for name, cell in rows]
+  return "\n".join(lines)
+
+
+def bank_table(sizes: dict[str, dict[str, int]]) -> str:
+  columns = list(next(iter(sizes.values())))
+  lines = ["| policy | " + " | ".join(columns) + " |",
+           "|---|" + "---|" * len(columns)]
+  lines += [f"| {p} | " + " | ".join(str(s[c]) for c in columns) + " |"
+            for p, s in sizes.items()]
+  return "\n".join(lines)
+
+
+def plot_arms(arms: dict[str, list[dict]], directory: str) -> str:
+  """`arms.png`: the arms' per-step policy-gradient loss, response length,
+  QA term and validation QA on shared axes."""
+  plt = _pyplot()
+  panels = (("pg_loss", "policy-gradient loss"),
+            ("response_tokens_mean", "response tokens (mean)"),
+            ("reward/qa", "QA term (rollouts)"),
+            ("eval/qa", "validation QA (greedy)"))
+  fig, axes = plt.subplots(1, len(panels), figsize=(15, 3.3))
+  for ax, (key, title) in zip(axes, panels):
+    for label, metrics in arms.items():
+      points = [(m["step"], m[key]) for m in metrics
+                if m.get(key) is not None]
+      if points:
+        ax.plot(*zip(*points), marker="o", label=label)
+    ax.set(xlabel="GRPO step", title=title)
+  axes[0].axhline(0.0, color="grey", linewidth=0.8)
+  axes[0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(directory, "arms.png"), dpi=120)
+  plt.close(fig)
+  return "arms.png"
+
+
+# What picks an arm's evaluated checkpoint: the validation sessions' QA
+# term (greedy), the same downstream measure for both arms.
+SELECTION_KEY = "eval/qa"
+
+
+def chosen_step(metrics: list[dict], period: int) -> int:
+  """The kept step (a multiple of `period`) with the best validation QA,
+  the earliest among ties; 0 (the newest checkpoint) without validation."""
+  scored = [(m[SELECTION_KEY], m["step"]) for m in metrics
+            if m.get(SELECTION_KEY) is not None and period
+            and m["step"] % period == 0]
+  if not scored:
+    return 0
+  best = max(value for value, _ in scored)
+  return min(step for value, step in scored if value == best)
+
+
+def _eval_config(config, init_checkpoint: str, checkpoint_step: int,
+                 start: int, dialogues: int):
+  evaluation = copy.deepcopy(config.evaluation)
+  evaluation.dataset.update({"name": "locomo", "path": config.repro.locomo,
+                             "start": start, "dialogues": dialogues})
+  evaluation.builder.update({"init_checkpoint": init_checkpoint,
+                             "checkpoint_step": checkpoint_step})
+  return evaluation
+
+
+def reproduce(config, workdir: str, stages: Sequence[str] = STAGES
+              ) -> str | None:
+  """Runs (or resumes) `stages`; returns RESULTS.md's text when `report`
+  is one of them."""
   os.makedirs(workdir, exist_ok=True)
-  wall: dict[str, float] = {}
+  record = StageRecord(workdir)
   repro = config.repro
   locomo = load_dataset("locomo", repro.locomo)
   teachers = locomo[_slice(repro.teacher_dialogues)]
@@ -163,57 +413,125 @@ def reproduce(config, workdir: str) -> str:
   if overlap:
     raise ValueError(f"teacher and evaluation dialogues overlap: {overlap}")
   data = os.path.join(workdir, "sft_data.jsonl")
-  if not os.path.exists(data):
-    records, rejected = _timed(
-        wall, "teacher data", annotation_trajectories, teachers,
-        make_encoder(config.encoder), config.memory,
+  config.sft.data = data
+  sft_dir = os.path.join(workdir, "sft")
+  model_dirs = {"initial": "", "warm_start": sft_dir,
+                **{POLICIES_OF[stage]: os.path.join(workdir, run)
+                   for stage, (_, run) in ARMS.items()}}
+  eval_dirs = {p: os.path.join(workdir, "eval", p) for p in POLICIES}
+
+  def teacher() -> None:
+    records, rejected = annotation_trajectories(
+        teachers, make_encoder(config.encoder), config.memory,
         config.rollout.retrieval_top_k)
     write_jsonl(data, records)
     print(json.dumps({"sft_records": len(records), "rejected": rejected}))
-  config.sft.data = data
-  sft_dir, rl_dir = (os.path.join(workdir, n) for n in ("sft", "rl"))
-  _timed(wall, "warm start", run_sft, config, sft_dir)
-  config.policy.init_checkpoint = sft_dir
-  print(_timed(wall, "GRPO", train, config, rl_dir))
-  evaluation = config.evaluation
-  evaluation.dataset.update({
-      "name": "locomo", "path": repro.locomo,
-      "start": _slice(repro.eval_dialogues).start or 0,
-      "dialogues": len(held_out)})
-  results = {}
-  for name, init in zip(POLICIES, ("", sft_dir, rl_dir)):
-    evaluation.builder.init_checkpoint = init
-    results[name] = _timed(wall, f"evaluate {name}", evaluate, evaluation,
-                           os.path.join(workdir, "eval", name))
-  rl_metrics, sft_metrics = read_metrics(rl_dir), read_metrics(sft_dir)
-  plots = plot_training(rl_metrics, sft_metrics, workdir)
-  last = rl_metrics[-1]
-  text = "\n".join([
+
+  runs = {"teacher": teacher,
+          "warm_start": lambda: run_sft(config, sft_dir)}
+  for stage, (_, run) in ARMS.items():
+    runs[stage] = functools.partial(
+        lambda s, r: print(train(arm_config(config, s, sft_dir),
+                                 os.path.join(workdir, r))), stage, run)
+  start_index = _slice(repro.eval_dialogues).start or 0
+  period = config.checkpoint.keep_period
+
+  def evaluate_policy(policy: str) -> None:
+    step = (chosen_step(read_metrics(model_dirs[policy]), period)
+            if policy in ARM_POLICIES else 0)
+    print(f"{policy}: evaluating checkpoint step {step or 'newest'}")
+    evaluate(_eval_config(config, model_dirs[policy], step, start_index,
+                          len(held_out)), eval_dirs[policy])
+
+  for policy in POLICIES:
+    runs[f"eval_{policy}"] = functools.partial(evaluate_policy, policy)
+  text = None
+  for stage in stages:
+    if stage == "report":
+      text = report(workdir, teachers, held_out, record.done, eval_dirs,
+                    sft_dir, period)
+      with open(os.path.join(workdir, "RESULTS.md"), "w") as f:
+        f.write(text)
+      continue
+    if stage in record.done:
+      print(f"{stage}: finished in an earlier run "
+            f"({record.done[stage]} s), skipped")
+      continue
+    needed = NEEDS.get(stage)
+    if needed and needed not in record.done:
+      raise app.UsageError(f"stage {stage} starts from stage {needed}'s "
+                           f"output: run --stages={needed} first")
+    print(f"{stage}: running", flush=True)
+    start = time.perf_counter()
+    runs[stage]()
+    record.finish(stage, time.perf_counter() - start)
+  return text
+
+
+
+def report(workdir: str, teachers, held_out, wall: dict[str, float],
+           eval_dirs: dict[str, str], sft_dir: str, period: int) -> str:
+  """RESULTS.md's text (and the plots) from what has been run so far."""
+  results, records, banks = {}, {}, {}
+  for policy, directory in eval_dirs.items():
+    path = os.path.join(directory, "results.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        results[policy] = json.load(f)
+      records[policy] = read_records(os.path.join(directory,
+                                                  "predictions.jsonl"))
+      banks[policy] = bank_sizes(os.path.join(directory, "banks", "policy"))
+  if not results:
+    raise app.UsageError("report: no policy evaluated yet (run the eval_* "
+                         "stages first)")
+  arms = {label: read_metrics(os.path.join(workdir, run))
+          for label, run in ARMS.values()
+          if os.path.exists(os.path.join(workdir, run, "metrics.jsonl"))}
+  sft_metrics = (read_metrics(sft_dir) if os.path.exists(
+      os.path.join(sft_dir, "metrics.jsonl")) else [])
+  plots = []
+  if "CMI+QA" in arms:
+    plots += plot_training(arms["CMI+QA"], sft_metrics, workdir)
+  if arms:
+    plots.append(plot_arms(arms, workdir))
+  differences = paired_differences(records)
+  with open(os.path.join(workdir, "differences.json"), "w") as f:
+    json.dump(differences, f, indent=1)
+  data = os.path.join(workdir, "sft_data.jsonl")
+  first = next(iter(results.values()))
+  lines = [
       "# Small reproduction (configs/small_repro.py)", "",
       "Command: `python tools/reproduce.py --config=configs/small_repro.py "
       f"--workdir={workdir}`", "",
       "## Split", "",
       f"- warm start (LoCoMo annotations as teacher): "
       f"{', '.join(d.dialogue_id for d in teachers)} "
-      f"({len(read_lines(data))} trajectories)",
-      "- GRPO: the bundled LongMemEval training sample (per-session QA)",
+      f"({len(read_lines(data)) if os.path.exists(data) else 0} "
+      "trajectories)",
+      "- GRPO (both arms): the bundled LongMemEval training sample "
+      "(per-session QA)",
       f"- evaluation (never seen in training): "
       f"{', '.join(d.dialogue_id for d in held_out)}, `method=policy`, "
       "every bank built by the policy with grammar-constrained decoding, "
       "scored by `context_recall` and evidence-turn recall", "",
       "## Held-out scores per category", "",
       results_table(results), "",
-      f"Questions: {results['initial']['n']} per policy. GRPO: "
-      f"{last['step']} steps, last step validity "
-      f"{last['validity_rate']:.2f}, reward {last['reward_mean']:.4f}.", "",
-      "## Training curves", "",
-      *[f"![{p}]({p})" for p in plots], "",
-      "## Wall time (seconds, this machine)", "",
-      "| step | s |", "|---|---|",
-      *[f"| {k} | {v} |" for k, v in wall.items()], ""])
-  with open(os.path.join(workdir, "RESULTS.md"), "w") as f:
-    f.write(text)
-  return text
+      f"Questions: {first['n']} per policy.", "",
+      "## Paired differences (95% bootstrap intervals over questions, "
+      "adversarial left out)", "",
+      differences_table(differences), ""]
+  if arms:
+    lines += ["## The two GRPO arms (same warm start, same budget)", "",
+              arms_table(arms, period), ""]
+  sized = {p: s for p, s in banks.items() if s is not None}
+  if sized:
+    lines += ["## Held-out banks per memory type (summed over the "
+              "evaluation dialogues)", "", bank_table(sized), ""]
+  lines += ["## Training curves", "", *[f"![{p}]({p})" for p in plots], "",
+            "## Wall time (seconds, this machine)", "",
+            "| stage | s |", "|---|---|",
+            *[f"| {k} | {v} |" for k, v in wall.items()], ""]
+  return "\n".join(lines)
 
 
 def read_lines(path: str) -> list[str]:
@@ -225,9 +543,11 @@ def main(argv: list[str]) -> None:
   del argv
   if not flags.FLAGS.workdir:
     raise app.UsageError("--workdir is required")
-  print(reproduce(flags.FLAGS.config, flags.FLAGS.workdir))
+  text = reproduce(flags.FLAGS.config, flags.FLAGS.workdir,
+                   parse_stages(flags.FLAGS.stages))
+  if text is not None:
+    print(text)
 
 
 if __name__ == "__main__":
-  define_command_line_flags()
-  app.run(main)
+  run_command(main)

@@ -55,6 +55,7 @@ from cmimem_jax.config import run_command, validate_config  # noqa: E402
 from cmimem_jax.data import Dialogue, load_dataset  # noqa: E402
 from cmimem_jax.encoders import make_encoder  # noqa: E402
 from cmimem_jax.evaluation.judges import context_recall  # noqa: E402
+from cmimem_jax.evaluation.metrics import bootstrap_interval  # noqa: E402
 from cmimem_jax.memory import MemoryBank  # noqa: E402
 from cmimem_jax.memory.annotations import (  # noqa: E402
     locomo_annotation_operations)
@@ -189,17 +190,6 @@ def auc(scores: np.ndarray, positive: np.ndarray) -> float:
   ranks = rankdata(scores)
   return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2)
                / (n_pos * n_neg))
-
-
-def bootstrap_interval(values: np.ndarray, rng: np.random.Generator,
-                       resamples: int = 1000) -> tuple[float, float]:
-  """95% percentile interval of the mean."""
-  values = np.asarray(values, float)
-  if len(values) == 0:
-    return float("nan"), float("nan")
-  means = values[rng.integers(0, len(values), (resamples, len(values)))
-                 ].mean(1)
-  return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
 def score_conversation(dialogue: Dialogue, other: Dialogue, encoder,

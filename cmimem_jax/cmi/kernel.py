@@ -492,8 +492,10 @@ def residual_cmi(e_ctx: jax.Array | np.ndarray, e_new: jax.Array | np.ndarray,
                                   min_memories)
   e_ctx, e_new = jnp.asarray(e_ctx), jnp.asarray(e_new)
   mem, mem_mask = jnp.asarray(mem, jnp.float32), jnp.asarray(mem_mask)
-  # Traced, not static: a sweep over λ reuses one compiled program.
-  lam_, min_ = jnp.float32(lam), jnp.int32(min_memories)
+  # Traced, not static: a sweep over λ reuses one compiled program. Host
+  # scalars, not device ones: creating a device scalar costs as much as
+  # the whole small-batch program (~0.05 ms each).
+  lam_, min_ = np.float32(lam), np.int32(min_memories)
   run = (_small_program if batch * max(n, 2) * dim <= SMALL_WORK
          else _large_programs)
   rho, extreme = run(e_ctx, e_new, mem, mem_mask, lam_, min_)

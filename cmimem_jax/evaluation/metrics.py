@@ -16,6 +16,8 @@ import re
 import string
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
+
 _PUNCTUATION = set(string.punctuation)
 
 
@@ -120,6 +122,19 @@ def recall_at_k(ranked: Sequence[str], relevant: Iterable[str], k: int
 def mean(values: Iterable[float]) -> float:
   values = list(values)
   return sum(values) / len(values) if values else float("nan")
+
+
+def bootstrap_interval(values: Sequence[float], rng: np.random.Generator,
+                       resamples: int = 1000) -> tuple[float, float]:
+  """95% percentile bootstrap interval of the mean of `values` `[n]`
+  (nan, nan when empty). For a paired comparison pass the per-item
+  differences: resampling items keeps each pair together."""
+  values = np.asarray(values, float)
+  if len(values) == 0:
+    return float("nan"), float("nan")
+  means = values[rng.integers(0, len(values), (resamples, len(values)))
+                 ].mean(1)
+  return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
 def aggregate(records: Sequence[Mapping], score_key: str = "score",

@@ -150,7 +150,9 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array,
   # Attribution weights (App. D Eq. 16) scale the policy-gradient term
   # only; the KL regulariser stays unweighted.
   objective = surrogate * token_weights
-  stats = {}
+  # The policy-gradient term alone (App. I's Figure 4 tracks it apart
+  # from the KL penalty).
+  stats = {"pg_loss": -mean(jax.lax.stop_gradient(objective))}
   if config.kl_beta > 0:
     if ref_logprobs is None:
       raise ValueError("kl_beta > 0 needs ref_logprobs")

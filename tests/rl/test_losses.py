@@ -56,6 +56,7 @@ def test_clipped_surrogate_both_sides_hand_computed():
   loss, stats = _loss(logp, old, [1.0, -1.0], mask, np.ones((2, 3)), config)
   per_token = [1.3, 0.5, -0.9, -2.0]
   np.testing.assert_allclose(loss, -np.mean(per_token), rtol=1e-6)
+  np.testing.assert_allclose(stats["pg_loss"], loss, rtol=1e-6)
   np.testing.assert_allclose(stats["clip_high_frac"], 0.25, rtol=1e-6)
   np.testing.assert_allclose(stats["clip_low_frac"], 0.25, rtol=1e-6)
   np.testing.assert_allclose(stats["ratio_mean"], (2 + .5 + .5 + 2) / 4,
@@ -76,6 +77,9 @@ def test_kl_weights_and_masks_hand_computed():
   want = -np.mean(weights[0] * 2.0 - 0.5 * kl)
   np.testing.assert_allclose(loss, want, rtol=1e-6)
   np.testing.assert_allclose(stats["kl"], kl.mean(), rtol=1e-6)
+  # The policy-gradient term alone: the loss without its KL penalty.
+  np.testing.assert_allclose(stats["pg_loss"], -np.mean(weights[0] * 2.0),
+                             rtol=1e-6)
   with pytest.raises(ValueError, match="ref_logprobs"):
     _loss(logp, old, [2.0], mask, weights, config)
 

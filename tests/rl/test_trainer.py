@@ -134,7 +134,8 @@ def test_same_step_on_one_and_eight_devices():
     metrics = trainer.step(synthetic_batch(2))
     results[name] = (metrics, jax.device_get(trainer.params), trainer)
   one, eight = results["one"], results["eight"]
-  for key in ("loss", "kl", "grad_norm", "entropy", "clip_low_frac"):
+  for key in ("loss", "pg_loss", "kl", "grad_norm", "entropy",
+              "clip_low_frac"):
     np.testing.assert_allclose(one[0][key], eight[0][key], rtol=1e-5,
                                atol=1e-6)
   for a, b in zip(jax.tree.leaves(one[1]), jax.tree.leaves(eight[1])):
