@@ -549,7 +549,8 @@ def _ours_grpo(model, tokenizer) -> dict:
   reward, group advantages, one sharded `Learner` step."""
   from cmimem_jax.parallel import make_mesh
   from cmimem_jax.rl import (GRPOLossConfig, Learner, OptimizerConfig,
-                             TrainStepConfig, group_advantages, rollout_batch)
+                             TrainStepConfig, group_advantages, rollout_batch,
+                             trim_common_padding)
   from cmimem_jax.sampling import ChatPolicy
   mesh = make_mesh("data:-1")
   learner = Learner(model, TrainStepConfig(
@@ -576,7 +577,9 @@ def _ours_grpo(model, tokenizer) -> dict:
     texts = [policy.decode(t) for t in out.completions()]
     rewards = np.array([shared_reward(t) for t in texts])
     advantages = group_advantages(rewards, np.ones(len(rows)), ARGS.group)
-    batch = rollout_batch(out, advantages)
+    # Columns of prompt padding every row shares are cut (to a multiple
+    # of 8), as TRL pads only to the batch's longest prompt.
+    batch = trim_common_padding(rollout_batch(out, advantages), 8)
     scored = time.perf_counter()
     learner.step(batch)
     policy.set_model(learner.model)
@@ -585,7 +588,8 @@ def _ours_grpo(model, tokenizer) -> dict:
       times.append({"rollout_s": rollout - start, "scoring_s": scored - rollout,
                     "update_s": done - scored, "step_s": done - start,
                     "tokens": int(out.lengths.sum()),
-                    "rows": int(len(rows))})
+                    "rows": int(len(rows)),
+                    "update_columns": int(batch["tokens"].shape[1])})
   return _median_step(times)
 
 
