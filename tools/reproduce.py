@@ -481,9 +481,6 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
       records[policy] = read_records(os.path.join(directory,
                                                   "predictions.jsonl"))
       banks[policy] = bank_sizes(os.path.join(directory, "banks", "policy"))
-  if not results:
-    raise app.UsageError("report: no policy evaluated yet (run the eval_* "
-                         "stages first)")
   arms = {label: read_metrics(os.path.join(workdir, run))
           for label, run in ARMS.values()
           if os.path.exists(os.path.join(workdir, run, "metrics.jsonl"))}
@@ -498,7 +495,6 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
   with open(os.path.join(workdir, "differences.json"), "w") as f:
     json.dump(differences, f, indent=1)
   data = os.path.join(workdir, "sft_data.jsonl")
-  first = next(iter(results.values()))
   lines = [
       "# Small reproduction (configs/small_repro.py)", "",
       "Command: `python tools/reproduce.py --config=configs/small_repro.py "
@@ -514,12 +510,16 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
       f"{', '.join(d.dialogue_id for d in held_out)}, `method=policy`, "
       "every bank built by the policy with grammar-constrained decoding, "
       "scored by `context_recall` and evidence-turn recall", "",
-      "## Held-out scores per category", "",
-      results_table(results), "",
-      f"Questions: {first['n']} per policy.", "",
-      "## Paired differences (95% bootstrap intervals over questions, "
-      "adversarial left out)", "",
-      differences_table(differences), ""]
+      "## Held-out scores per category", ""]
+  if results:
+    lines += [results_table(results), "",
+              f"Questions: {next(iter(results.values()))['n']} per policy "
+              f"({', '.join(results)} evaluated).", "",
+              "## Paired differences (95% bootstrap intervals over "
+              "questions, adversarial left out)", "",
+              differences_table(differences), ""]
+  else:
+    lines += ["No policy evaluated yet (`--stages=evaluate,report`).", ""]
   if arms:
     lines += ["## The two GRPO arms (same warm start, same budget)", "",
               arms_table(arms, period), ""]
