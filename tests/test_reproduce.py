@@ -103,9 +103,11 @@ def test_paired_differences_pair_questions_and_leave_adversarial_out():
 
 
 def test_checkpoint_is_chosen_on_validation_among_kept_steps():
-  metrics = [{"step": 1, "eval/qa": 0.9}, {"step": 2, "eval/qa": 0.3},
-             {"step": 3}, {"step": 4, "eval/qa": 0.5},
-             {"step": 5, "eval/qa": 0.5}, {"step": 6, "eval/qa": 0.5}]
+  metrics = [{"step": 1, "eval/reward": 0.9},
+             {"step": 2, "eval/reward": 0.3}, {"step": 3},
+             {"step": 4, "eval/reward": 0.5, "eval/qa": 0.1},
+             {"step": 5, "eval/reward": 0.5},
+             {"step": 6, "eval/reward": 0.5, "eval/qa": 0.9}]
   # Step 1 has no kept checkpoint (period 2); 4 and 6 tie: the earlier.
   assert reproduce.chosen_step(metrics, 2) == 4
   assert reproduce.chosen_step([{"step": 2}], 2) == 0
@@ -117,7 +119,7 @@ def test_arms_table_sets_the_two_runs_side_by_side():
     return [{"step": s + 1, "reward_mean": 0.5, "reward/qa": 0.4,
              "reward/cmi": 0.1, "response_tokens_mean": 50.0 + s,
              "pg_loss": v, "validity_rate": 1.0, "kl": 0.01,
-             **({"eval/qa": 0.2 * s, "eval/reward": 0.3} if s % 2 else {})}
+             **({"eval/qa": 0.2, "eval/reward": 0.3 * s} if s % 2 else {})}
             for s, v in enumerate(pg)]
   table = reproduce.arms_table({"CMI+QA": run([0.1, -0.1]),
                                 "QA only": run([0.3, 0.5])}, 2)
@@ -128,7 +130,7 @@ def test_arms_table_sets_the_two_runs_side_by_side():
                                           "0.4000 ± 0.1000 |"]
   assert rows["|policy-gradient loss|"][0] == "0.1000 ± 0.0000"
   assert rows["response tokens"][0] == "50.5000 ± 0.5000"
-  assert rows["evaluated step (best validation QA)"] == ["2", "2 |"]
+  assert rows["evaluated step (best validation reward)"] == ["2", "2 |"]
 
 
 def test_bank_sizes_count_entries_per_type(tmp_path):
