@@ -128,7 +128,7 @@ def test_arms_table_sets_the_two_runs_side_by_side():
   rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in lines}
   assert rows["policy-gradient loss"] == ["0.0000 ± 0.1000",
                                           "0.4000 ± 0.1000 |"]
-  assert rows["|policy-gradient loss|"][0] == "0.1000 ± 0.0000"
+  assert rows["policy-gradient loss, absolute"][0] == "0.1000 ± 0.0000"
   assert rows["response tokens"][0] == "50.5000 ± 0.5000"
   assert rows["evaluated step (best validation reward)"] == ["2", "2 |"]
 

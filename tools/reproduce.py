@@ -320,7 +320,7 @@ def arms_table(arms: dict[str, list[dict]], period: int) -> str:
               _over_steps(m, "response_tokens_mean"))),
           ("policy-gradient loss", lambda m: mean_std(
               _over_steps(m, "pg_loss"))),
-          ("|policy-gradient loss|", lambda m: mean_std(
+          ("policy-gradient loss, absolute", lambda m: mean_std(
               [abs(v) for v in _over_steps(m, "pg_loss")])),
           ("validity (last step)", lambda m: last(
               _over_steps(m, "validity_rate"))),
