@@ -28,6 +28,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # session's tests and the commands they start, not by the user's cache.
 os.environ["CMIMEM_CACHE_DIR"] = tempfile.mkdtemp(prefix="cmimem-tests-cache-")
 atexit.register(shutil.rmtree, os.environ["CMIMEM_CACHE_DIR"], True)
+# So are compiled programs: many tests build a tiny trainer of one config,
+# each with fresh jit objects, and the CLI tests start processes that
+# compile the same programs again. JAX's persistent cache turns those
+# repeats into loads (a one-step trainer: 57-70 s -> 30 s on a busy
+# 2-core host). Every program is cached, however fast it compiled; the
+# directory is this session's own, so no test sees another run's programs.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
+    prefix="cmimem-tests-xla-")
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 
 import pathlib  # noqa: E402
 import threading  # noqa: E402
@@ -78,19 +88,23 @@ def encoder() -> HashingEncoder:
 
 
 class CompileCounter:
-  """Counts XLA backend compilations in this process (every jit program,
-  ours and JAX's own), via JAX's monitoring events."""
+  """Counts the programs this process compiles or loads from the persistent
+  cache (every jit program, ours and JAX's own: each is a miss of JAX's
+  in-memory cache), via JAX's monitoring events."""
 
-  EVENT = "/jax/core/compile/backend_compile_duration"
+  COMPILED = "/jax/core/compile/backend_compile_duration"
+  LOADED = "/jax/compilation_cache/cache_hits"
 
   def __init__(self):
     self._lock = threading.Lock()
     self.count = 0
-    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kwargs: self._on_event(event))
+    jax.monitoring.register_event_listener(
+        lambda event, **kwargs: self._on_event(event))
 
-  def _on_event(self, event: str, duration: float, **kwargs) -> None:
-    del duration, kwargs
-    if event == self.EVENT:
+  def _on_event(self, event: str) -> None:
+    if event in (self.COMPILED, self.LOADED):
       with self._lock:
         self.count += 1
 

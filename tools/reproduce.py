@@ -35,6 +35,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -53,19 +54,27 @@ from cmimem_jax.task.loop import train  # noqa: E402
 from cmimem_jax.task.warm_start import (annotation_trajectories,  # noqa: E402
                                         run_sft, write_jsonl)
 
-# Policy -> the training stage that makes it ("" for the untrained one).
-POLICIES = {"initial": "", "warm_start": "warm_start", "rl": "grpo",
-            "rl_qa_only": "grpo_qa_only"}
+
+class Policy(NamedTuple):
+  """One evaluated policy: the training stage that makes it and its run
+  directory under DIR (both "" for the untrained one), and the label of
+  its GRPO arm ("" for the others)."""
+  stage: str = ""
+  run: str = ""
+  arm: str = ""
+
+
+POLICIES = {"initial": Policy(),
+            "warm_start": Policy("warm_start", "sft"),
+            "rl": Policy("grpo", "rl", "CMI+QA"),
+            "rl_qa_only": Policy("grpo_qa_only", "rl_qa_only", "QA only")}
+# The two GRPO arms, both from the warm start.
+ARMS = {name: policy for name, policy in POLICIES.items() if policy.arm}
 STAGES = ("teacher", "warm_start", "grpo", "grpo_qa_only",
           *(f"eval_{p}" for p in POLICIES), "report")
 # Paired comparisons reported with intervals: (policy, baseline).
 COMPARISONS = (("warm_start", "initial"), ("rl", "warm_start"),
                ("rl_qa_only", "warm_start"), ("rl", "rl_qa_only"))
-# The two GRPO arms: stage -> (label, run directory).
-ARMS = {"grpo": ("CMI+QA", "rl"), "grpo_qa_only": ("QA only", "rl_qa_only")}
-# Policy made by each training stage.
-POLICIES_OF = {stage: policy for policy, stage in POLICIES.items() if stage}
-ARM_POLICIES = {POLICIES_OF[stage] for stage in ARMS}
 
 flags.DEFINE_list("stages", ["all"], "Stages to run, in order: "
                   f"{', '.join(STAGES)}; `all`, or `evaluate` for the "
@@ -220,9 +229,10 @@ class StageRecord:
 
 
 # The stage whose output a stage starts from.
-NEEDS = {"warm_start": "teacher", "grpo": "warm_start",
-         "grpo_qa_only": "warm_start",
-         **{f"eval_{p}": stage for p, stage in POLICIES.items() if stage}}
+NEEDS = {"warm_start": "teacher",
+         **{arm.stage: "warm_start" for arm in ARMS.values()},
+         **{f"eval_{name}": policy.stage for name, policy in POLICIES.items()
+            if policy.stage}}
 
 
 def arm_config(config, stage: str, warm_start_dir: str):
@@ -417,10 +427,9 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES
     raise ValueError(f"teacher and evaluation dialogues overlap: {overlap}")
   data = os.path.join(workdir, "sft_data.jsonl")
   config.sft.data = data
-  sft_dir = os.path.join(workdir, "sft")
-  model_dirs = {"initial": "", "warm_start": sft_dir,
-                **{POLICIES_OF[stage]: os.path.join(workdir, run)
-                   for stage, (_, run) in ARMS.items()}}
+  model_dirs = {name: os.path.join(workdir, policy.run) if policy.run else ""
+                for name, policy in POLICIES.items()}
+  sft_dir = model_dirs["warm_start"]
   eval_dirs = {p: os.path.join(workdir, "eval", p) for p in POLICIES}
 
   def teacher() -> None:
@@ -432,16 +441,16 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES
 
   runs = {"teacher": teacher,
           "warm_start": lambda: run_sft(config, sft_dir)}
-  for stage, (_, run) in ARMS.items():
-    runs[stage] = functools.partial(
-        lambda s, r: print(train(arm_config(config, s, sft_dir),
-                                 os.path.join(workdir, r))), stage, run)
+  for name, arm in ARMS.items():
+    runs[arm.stage] = functools.partial(
+        lambda s, d: print(train(arm_config(config, s, sft_dir), d)),
+        arm.stage, model_dirs[name])
   start_index = _slice(repro.eval_dialogues).start or 0
   period = config.checkpoint.keep_period
 
   def evaluate_policy(policy: str) -> None:
     step = (chosen_step(read_metrics(model_dirs[policy]), period)
-            if policy in ARM_POLICIES else 0)
+            if policy in ARMS else 0)
     print(f"{policy}: evaluating checkpoint step {step or 'newest'}")
     evaluate(_eval_config(config, model_dirs[policy], step, start_index,
                           len(held_out)), eval_dirs[policy])
@@ -471,7 +480,6 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES
   return text
 
 
-
 def report(workdir: str, teachers, held_out, wall: dict[str, float],
            eval_dirs: dict[str, str], sft_dir: str, period: int) -> str:
   """RESULTS.md's text (and the plots) from what has been run so far."""
@@ -484,9 +492,9 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
       records[policy] = read_records(os.path.join(directory,
                                                   "predictions.jsonl"))
       banks[policy] = bank_sizes(os.path.join(directory, "banks", "policy"))
-  arms = {label: read_metrics(os.path.join(workdir, run))
-          for label, run in ARMS.values()
-          if os.path.exists(os.path.join(workdir, run, "metrics.jsonl"))}
+  arms = {arm.arm: read_metrics(os.path.join(workdir, arm.run))
+          for arm in ARMS.values()
+          if os.path.exists(os.path.join(workdir, arm.run, "metrics.jsonl"))}
   sft_metrics = (read_metrics(sft_dir) if os.path.exists(
       os.path.join(sft_dir, "metrics.jsonl")) else [])
   plots = []
