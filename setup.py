@@ -29,6 +29,8 @@ setuptools.setup(
             "torch==2.13.0",
             "pytest>=9.0",
             "pytest-timeout>=2.4.0",
+            # `make test` runs the suite on one worker per core.
+            "pytest-xdist>=3.8.0",
             "hypothesis>=6.170",
             "accelerate>=1.0",  # transformers needs it to load GGUF files.
             # tools/plan.py compiles for TPU topologies in the tests.

@@ -1,4 +1,4 @@
-"""A laptop-CPU reproduction of the whole recipe (about 2.5 hours on 2
+"""A laptop-CPU reproduction of the whole recipe (2 h 45 min measured on 2
 cores, in stages that can run separately): warm start -> GRPO with the
 CMI+QA reward and with the QA reward alone -> evaluation of the initial,
 warm-started and both RL policies on LoCoMo conversations no training

@@ -24,20 +24,23 @@ for _flag in _FAST_COMPILE:  # A user's own setting of these wins.
     _xla_flags += f" {_flag}"
 os.environ["XLA_FLAGS"] = _xla_flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Converted tokenizers (`params.load_gguf_tokenizer`) are shared by this
-# session's tests and the commands they start, not by the user's cache.
-os.environ["CMIMEM_CACHE_DIR"] = tempfile.mkdtemp(prefix="cmimem-tests-cache-")
-atexit.register(shutil.rmtree, os.environ["CMIMEM_CACHE_DIR"], True)
-# So are compiled programs: many tests build a tiny trainer of one config,
-# each with fresh jit objects, and the CLI tests start processes that
-# compile the same programs again. JAX's persistent cache turns those
-# repeats into loads (a one-step trainer: 57-70 s -> 30 s on a busy
-# 2-core host). Every program is cached, however fast it compiled; the
-# directory is this session's own, so no test sees another run's programs.
-os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
-    prefix="cmimem-tests-xla-")
+# Converted tokenizers (`params.load_gguf_tokenizer`) and compiled programs
+# are shared by this session's tests and the commands they start, not by
+# the user's caches. Many tests build a tiny trainer of one config, each
+# with fresh jit objects, and the CLI tests start processes that compile
+# the same programs again: JAX's persistent cache turns those repeats into
+# loads (a one-step trainer: 57-70 s -> 30 s on a busy 2-core host). Every
+# program is cached, however fast it compiled. Under pytest-xdist
+# (`make test`) the controller makes the directories before its workers
+# start; the workers inherit them, so one worker loads what the other
+# compiled, and only the controller removes them.
+_SESSION_DIRS = {"CMIMEM_CACHE_DIR": "cmimem-tests-cache-",
+                 "JAX_COMPILATION_CACHE_DIR": "cmimem-tests-xla-"}
+if "PYTEST_XDIST_WORKER" not in os.environ:
+  for _variable, _prefix in _SESSION_DIRS.items():
+    os.environ[_variable] = tempfile.mkdtemp(prefix=_prefix)
+    atexit.register(shutil.rmtree, os.environ[_variable], True)
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 
 import pathlib  # noqa: E402
 import threading  # noqa: E402

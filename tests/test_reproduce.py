@@ -62,7 +62,9 @@ def test_plots_are_written_and_counts_stay_off_the_reward_axes(tmp_path):
 
 
 def test_stages_expand_in_pipeline_order_and_unknown_ones_are_refused():
-  assert reproduce.parse_stages(["all"]) == list(reproduce.STAGES)
+  assert reproduce.parse_stages(["all"]) == [
+      "teacher", "warm_start", "grpo", "grpo_qa_only", "eval_initial",
+      "eval_warm_start", "eval_rl", "eval_rl_qa_only", "report"]
   assert reproduce.parse_stages(["report", "evaluate", "teacher"]) == [
       "teacher", "eval_initial", "eval_warm_start", "eval_rl",
       "eval_rl_qa_only", "report"]

@@ -86,6 +86,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
   train.add_argument("--devices", type=int, default=1)
   train.add_argument("--attention_impl", default="auto",
                      choices=ATTENTION_CHOICES)
+  train.add_argument("--remat", default="none", choices=("none", "full",
+                                                         "dots"),
+                     help="the layers' rematerialisation (Qwen3Config.remat)")
   grpo = sub.add_parser("grpo_step", help="a whole GRPO step vs TRL")
   grpo.add_argument("--prompts", type=int, default=4)
   grpo.add_argument("--group", type=int, default=4,
@@ -495,7 +498,7 @@ def run_train_step() -> None:
   from cmimem_jax.rl import (GRPOLossConfig, Learner, OptimizerConfig,
                              TrainStepConfig)
   config = preset(ARGS.model, num_hidden_layers=ARGS.layers,
-                  attention_impl=ARGS.attention_impl)
+                  attention_impl=ARGS.attention_impl, remat=ARGS.remat)
   model = Qwen3(config, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   b, t = ARGS.batch, ARGS.length
@@ -522,7 +525,7 @@ def run_train_step() -> None:
   print(json.dumps({
       "scenario": "train_step", "model": ARGS.model, "layers": ARGS.layers,
       "batch": b, "length": t, "kl_beta": ARGS.kl_beta,
-      "devices": len(jax.devices()),
+      "remat": ARGS.remat, "devices": len(jax.devices()),
       "train_step_over_forward": round(step_s / forward_s, 2),
       "train_step_s": round(step_s, 3), "forward_s": round(forward_s, 3),
       "train_tokens_per_s": round(b * t / step_s, 1),

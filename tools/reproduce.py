@@ -57,20 +57,22 @@ from cmimem_jax.task.warm_start import (annotation_trajectories,  # noqa: E402
 
 class Policy(NamedTuple):
   """One evaluated policy: the training stage that makes it and its run
-  directory under DIR (both "" for the untrained one), and the label of
-  its GRPO arm ("" for the others)."""
+  directory under DIR (both "" for the untrained one), the label of its
+  GRPO arm ("" for the others) and the arm's reward alpha (None: the
+  config's)."""
   stage: str = ""
   run: str = ""
   arm: str = ""
+  alpha: float | None = None
 
 
 POLICIES = {"initial": Policy(),
             "warm_start": Policy("warm_start", "sft"),
             "rl": Policy("grpo", "rl", "CMI+QA"),
-            "rl_qa_only": Policy("grpo_qa_only", "rl_qa_only", "QA only")}
+            "rl_qa_only": Policy("grpo_qa_only", "rl_qa_only", "QA only", 0.0)}
 # The two GRPO arms, both from the warm start.
 ARMS = {name: policy for name, policy in POLICIES.items() if policy.arm}
-STAGES = ("teacher", "warm_start", "grpo", "grpo_qa_only",
+STAGES = ("teacher", *(p.stage for p in POLICIES.values() if p.stage),
           *(f"eval_{p}" for p in POLICIES), "report")
 # Paired comparisons reported with intervals: (policy, baseline).
 COMPARISONS = (("warm_start", "initial"), ("rl", "warm_start"),
@@ -235,14 +237,14 @@ NEEDS = {"warm_start": "teacher",
             if policy.stage}}
 
 
-def arm_config(config, stage: str, warm_start_dir: str):
-  """GRPO from the warm start; the QA-only arm sets alpha = 0 (Eq. 12) and
-  changes nothing else."""
-  arm = copy.deepcopy(config)
-  arm.policy.init_checkpoint = warm_start_dir
-  if stage == "grpo_qa_only":
-    arm.reward.alpha = 0.0
-  return arm
+def arm_config(config, arm: Policy, warm_start_dir: str):
+  """GRPO from the warm start; an arm with its own alpha (the QA-only arm:
+  alpha = 0, Eq. 12) changes nothing else."""
+  config = copy.deepcopy(config)
+  config.policy.init_checkpoint = warm_start_dir
+  if arm.alpha is not None:
+    config.reward.alpha = arm.alpha
+  return config
 
 
 def paired_differences(records: dict[str, dict[str, dict]],
@@ -443,8 +445,8 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES
           "warm_start": lambda: run_sft(config, sft_dir)}
   for name, arm in ARMS.items():
     runs[arm.stage] = functools.partial(
-        lambda s, d: print(train(arm_config(config, s, sft_dir), d)),
-        arm.stage, model_dirs[name])
+        lambda a, d: print(train(arm_config(config, a, sft_dir), d)),
+        arm, model_dirs[name])
   start_index = _slice(repro.eval_dialogues).start or 0
   period = config.checkpoint.keep_period
 
