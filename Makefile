@@ -13,6 +13,7 @@ WORKDIR ?= workdir
 # module fixtures are built once; the workers share compiled programs
 # through the session's persistent cache (tests/conftest.py).
 PYTEST_WORKERS ?= auto
+PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 # The test extra installs libtpu (tools/plan.py compiles for TPUs), which
 # makes JAX probe for a TPU at start-up, noisily, on any machine; the demo
 # and the tests run on the CPU. `JAX_PLATFORMS=cuda make demo` on a GPU.
@@ -35,10 +36,10 @@ demo: $(STAMP)
 	$(PY) -m cmimem_jax.train --config=configs/default.py --workdir=$(WORKDIR)/demo
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
+	$(PYTEST)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
+	$(PYTEST) -m "not slow"
 
 clean:
 	rm -rf $(VENV) $(WORKDIR) .pytest_cache

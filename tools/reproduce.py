@@ -463,7 +463,7 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES
   for stage in stages:
     if stage == "report":
       text = report(workdir, teachers, held_out, record.done, eval_dirs,
-                    sft_dir, period)
+                    model_dirs, period)
       with open(os.path.join(workdir, "RESULTS.md"), "w") as f:
         f.write(text)
       continue
@@ -482,9 +482,18 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES
   return text
 
 
+def _run_metrics(directory: str) -> list[dict]:
+  """A training run's `metrics.jsonl` records ([] before it has run)."""
+  if os.path.exists(os.path.join(directory, "metrics.jsonl")):
+    return read_metrics(directory)
+  return []
+
+
 def report(workdir: str, teachers, held_out, wall: dict[str, float],
-           eval_dirs: dict[str, str], sft_dir: str, period: int) -> str:
-  """RESULTS.md's text (and the plots) from what has been run so far."""
+           eval_dirs: dict[str, str], model_dirs: dict[str, str],
+           period: int) -> str:
+  """RESULTS.md's text (and the plots) from what has been run so far;
+  `model_dirs`: policy -> its run directory."""
   results, records, banks = {}, {}, {}
   for policy, directory in eval_dirs.items():
     path = os.path.join(directory, "results.json")
@@ -494,11 +503,9 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
       records[policy] = read_records(os.path.join(directory,
                                                   "predictions.jsonl"))
       banks[policy] = bank_sizes(os.path.join(directory, "banks", "policy"))
-  arms = {arm.arm: read_metrics(os.path.join(workdir, arm.run))
-          for arm in ARMS.values()
-          if os.path.exists(os.path.join(workdir, arm.run, "metrics.jsonl"))}
-  sft_metrics = (read_metrics(sft_dir) if os.path.exists(
-      os.path.join(sft_dir, "metrics.jsonl")) else [])
+  arms = {arm.arm: metrics for name, arm in ARMS.items()
+          if (metrics := _run_metrics(model_dirs[name]))}
+  sft_metrics = _run_metrics(model_dirs["warm_start"])
   plots = []
   if "CMI+QA" in arms:
     plots += plot_training(arms["CMI+QA"], sft_metrics, workdir)
