@@ -325,6 +325,9 @@ def test_restore_params_takes_only_the_weights(tmp_path):
   _train(first, [0])
   ckpt = Checkpointer(str(tmp_path / "ckpt"))
   ckpt.save(1, first.params, first.opt_state, jax.random.key(0), {})
+  # The save is asynchronous: a second Checkpointer sees only finished
+  # steps (without this the read raced the write, seen once in CI).
+  ckpt.wait()
   # Another objective and optimizer (no clipping: a different state tree).
   other = Learner(tiny_model(seed=3), TrainStepConfig(
       loss=SFTLossConfig(), optimizer=OptimizerConfig(grad_clip_norm=0.0)),
