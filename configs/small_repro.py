@@ -43,6 +43,13 @@ def get_config() -> ml_collections.ConfigDict:
   # (validation.png), on which each arm's evaluated checkpoint is chosen
   # (every 2nd step is kept for that), never on the evaluation dialogues.
   config.rollout.num_rollouts = 4
+  # r_QA during GRPO reads the retrieved memories alone (no LookupChunk;
+  # the evaluation below keeps it). With LookupChunk any entry written
+  # from the session brings back the session's turns, so the CPU proxy
+  # (`context_recall`) scored every rollout of a group alike: round two
+  # measured identical per-step QA means in both arms. Without it, r_QA
+  # is 1 only where the written memories carry the answer.
+  config.memory.source_chunks = False
   config.rl.update({"max_steps": 10, "validation_sessions": 2,
                     "eval_every": 2})
   config.checkpoint.update({"keep": 1, "keep_period": 2})
