@@ -110,8 +110,9 @@ def test_checkpoint_is_chosen_on_validation_among_kept_steps():
              {"step": 4, "eval/reward": 0.5, "eval/qa": 0.1},
              {"step": 5, "eval/reward": 0.5},
              {"step": 6, "eval/reward": 0.5, "eval/qa": 0.9}]
-  # Step 1 has no kept checkpoint (period 2); 4 and 6 tie: the earlier.
-  assert reproduce.chosen_step(metrics, 2) == 4
+  # Step 1 has no kept checkpoint (period 2); 4 and 6 tie: the later.
+  assert reproduce.chosen_step(metrics, 2) == 6
+  assert reproduce.chosen_step(metrics[:4], 2) == 4
   assert reproduce.chosen_step([{"step": 2}], 2) == 0
   assert reproduce.chosen_step(metrics, 0) == 0
 
