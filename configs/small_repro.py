@@ -1,4 +1,4 @@
-"""A laptop-CPU reproduction of the whole recipe (2 h 45 min measured on 2
+"""A laptop-CPU reproduction of the whole recipe (2 h 3 min measured on 2
 cores, in stages that can run separately): warm start -> GRPO with the
 CMI+QA reward and with the QA reward alone -> evaluation of the initial,
 warm-started and both RL policies on LoCoMo conversations no training
@@ -11,8 +11,9 @@ response grammar-constrained to valid DSL. Split (LoCoMo `locomo10.json`,
 10 conversations in file order):
 - warm start: the annotation teacher (observations / event summaries as
   DSL) on conversations 0-7 (`repro.teacher_dialogues`); 16 steps of 2
-  trajectories, those with prompts up to 2,048 tokens (a step of two
-  2k-token rows takes ~75 s here: all 217 would take over 2 hours);
+  trajectories, the 32 of 217 with prompts up to 2,048 tokens and
+  responses up to 384 (a step of two 2k-token rows takes ~75 s here; all
+  217, rows up to ~4.1k tokens, would take about 4.5 hours);
 - GRPO, both arms: the bundled LongMemEval training sample (per-session
   QA, the demo's data: LoCoMo has no single-session QA pairs to reward);
 - evaluation: conversations 8-9 (conv-49, conv-50), `method=policy`,
