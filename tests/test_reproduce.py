@@ -104,6 +104,14 @@ def test_paired_differences_pair_questions_and_leave_adversarial_out():
                       f"0.500 | +0.500 [{low:+.3f}, {high:+.3f}] |")
 
 
+def test_grpo_reads_memories_alone_and_the_evaluation_keeps_lookupchunk():
+  """r_QA in training without source chunks (it must tell rollouts apart);
+  the held-out evaluation keeps the paper's LookupChunk protocol."""
+  config = small_repro.get_config()
+  assert not config.memory.source_chunks
+  assert config.evaluation.memory.source_chunks
+
+
 def test_checkpoint_is_chosen_on_validation_among_kept_steps():
   metrics = [{"step": 1, "eval/reward": 0.9},
              {"step": 2, "eval/reward": 0.3}, {"step": 3},

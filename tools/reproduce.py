@@ -400,8 +400,7 @@ def chosen_step(metrics: list[dict], period: int) -> int:
             and m["step"] % period == 0]
   if not scored:
     return 0
-  best = max(value for value, _ in scored)
-  return max(step for value, step in scored if value == best)
+  return max(scored)[1]  # (value, step): the best value, then the latest.
 
 
 def _eval_config(config, init_checkpoint: str, checkpoint_step: int,
