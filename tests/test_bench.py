@@ -14,9 +14,13 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _bench(*args: str) -> list[dict]:
+def _bench(*args: str, pythonpath: pathlib.Path | None = None
+           ) -> list[dict]:
   # The tool sets its own device count before importing jax.
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  if pythonpath is not None:
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
   result = subprocess.run(
       [sys.executable, "tools/bench.py", *args], cwd=ROOT, env=env,
       capture_output=True, text=True, timeout=600, check=False)
@@ -56,13 +60,26 @@ def test_cmi_scenarios_agree_with_peers():
     assert _positive(row["speedup_vs_torch_batched"])
 
 
+TUNIX_DIR = ROOT / ".tunix"
+
+
 @pytest.mark.slow
-def test_grpo_step_against_trl_does_the_same_work():
+def test_grpo_step_against_trl_and_tunix_does_the_same_work():
+  if not (TUNIX_DIR / "tunix").is_dir():
+    pytest.skip("Tunix, the second peer, is not installed: `make tunix-peer` "
+                "(run by `make test`) puts it in .tunix/")
   (row,) = _bench("grpo_step", "--layers=1", "--prompts=2", "--group=2",
-                  "--new_tokens=8", "--steps=1", "--devices=2")
-  assert row["same_work"] and row["layers"] == 1
+                  "--new_tokens=8", "--steps=1", "--devices=2",
+                  "--peers=trl,tunix", pythonpath=TUNIX_DIR)
+  assert row["layers"] == 1
   assert row["ours"]["tokens"] == 2 * 2 * 8 and row["ours"]["rows"] == 4
-  for side in ("ours", "trl"):
+  for peer in ("trl", "tunix"):
+    assert row[f"same_work_{peer}"], row
+    assert _positive(row[f"vs_{peer}"])
+  # Tunix runs the same model (its Llama port of the same weights) and
+  # updates the same columns: its prompts padded as ours are.
+  assert row["tunix"]["max_abs_logit_diff"] < 1e-3
+  assert row["tunix"]["update_columns"] == row["ours"]["update_columns"]
+  for side in ("ours", "trl", "tunix"):
     assert all(_positive(row[side][k]) for k in ("rollout_s", "update_s",
                                                  "step_s"))
-  assert _positive(row["vs_trl"])

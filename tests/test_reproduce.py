@@ -3,6 +3,7 @@ metrics and evaluation results shaped like the real jobs write them."""
 
 import json
 import os
+import shutil
 import sys
 import types
 
@@ -102,6 +103,33 @@ def test_paired_differences_pair_questions_and_leave_adversarial_out():
   table = reproduce.differences_table(rows).splitlines()
   assert table[3] == ("| rl − warm_start | context_recall | 3 | 1.000 | "
                       f"0.500 | +0.500 [{low:+.3f}, {high:+.3f}] |")
+
+
+def test_seeds_are_pooled_per_question_on_the_questions_every_run_scored():
+  base = _records({"a": ("single-hop", 0.0), "b": ("temporal", 0.0),
+                   "c": ("temporal", 0.0)})
+  seed0 = {"warm_start": base, "rl": _records(
+      {"a": ("single-hop", 1.0), "b": ("temporal", 0.0),
+       "c": ("temporal", 1.0)})}
+  # The second seed did not score c: it leaves the pooled comparison.
+  seed1 = {"warm_start": base, "rl": _records(
+      {"a": ("single-hop", 1.0), "b": ("temporal", 1.0),
+       "c": ("temporal", None)})}
+  (row,) = reproduce.seed_pooled_differences([seed0, seed1])
+  assert (row["policy"], row["baseline"], row["n"]) == ("rl", "warm_start", 2)
+  # Per seed on a, b: (1 + 0) / 2 and (1 + 1) / 2; averaged per question.
+  assert row["per_run"] == [0.5, 1.0]
+  assert row["difference"] == pytest.approx(0.75)
+  assert row["policy_mean"] == pytest.approx(0.75)
+  low, high = row["ci95"]
+  assert 0.5 <= low <= row["difference"] <= high <= 1.0
+  assert reproduce.pooled_table([row]).splitlines()[2] == (
+      f"| rl − warm_start | context_recall | 2 | +0.500, +1.000 | +0.750 "
+      f"[{low:+.3f}, {high:+.3f}] |")
+  # One run is `paired_differences`, without a per-run column.
+  assert reproduce.seed_pooled_differences([seed0]) == (
+      reproduce.paired_differences(seed0))
+  assert "per_run" not in reproduce.paired_differences(seed0)[0]
 
 
 def test_grpo_reads_memories_alone_and_the_evaluation_keeps_lookupchunk():
@@ -229,3 +257,14 @@ def test_report_is_written_from_what_has_been_evaluated(tmp_path,
     assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
   assert json.loads((tmp_path / "differences.json").read_text())[0][
       "policy"] == "warm_start"
+  assert "Seeds pooled" not in text
+  # Another seed's workdir, pooled: its own and the averaged difference.
+  other = tmp_path / "seed1"
+  shutil.copytree(tmp_path / "eval", other / "eval")
+  pooled = reproduce.reproduce(small_repro.get_config(), str(tmp_path),
+                               ["report"], pool=[str(other)])
+  assert f"## Seeds pooled (2 runs: this one, {other})" in pooled
+  assert ("| warm_start − initial | context_recall | 2 | +0.500, +0.500 | "
+          "+0.500 [") in pooled
+  assert json.loads((tmp_path / "pooled_differences.json").read_text())[
+      "workdirs"] == [str(tmp_path), str(other)]

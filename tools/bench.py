@@ -104,6 +104,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                     help="keep the first N decoder layers (0: all 30)")
   grpo.add_argument("--devices", type=int, default=os.cpu_count() or 1,
                     help="CPU devices our step shards its rows over")
+  grpo.add_argument("--peers", default="trl",
+                    help="comma-separated: trl (the `bench` extra), tunix "
+                    "(installed as BENCHMARKS.md says)")
   return parser.parse_args(argv)
 
 
@@ -678,6 +681,135 @@ def _trl_grpo(directory: str, tokenizer) -> dict:
   return _median_step(times[1:])  # Step 1 warms up.
 
 
+def _tunix_grpo(directory: str, tokenizer, model) -> dict:
+  """Tunix's `GRPOLearner` on its own Llama port (SmolLM2 is a Llama with
+  tied embeddings), loaded from the same safetensors; actor, reference and
+  vanilla rollout on one mesh, one generation and one update per step.
+  Its generation, reward and update are timed around its own methods;
+  its logits on the first prompt are checked against ours
+  (`max_abs_logit_diff`)."""
+  import copy
+
+  import optax
+  from flax import nnx
+  from tunix.models.llama3 import model as tunix_llama
+  from tunix.models.llama3 import params as tunix_params
+  from tunix.rl import rl_cluster as cluster_lib
+  from tunix.rl.grpo import grpo_learner
+  from tunix.rl.rollout import base_rollout
+  times, current = [], {}
+
+  # Tunix ends a completion at the tokenizer's EOS (and masks from it on);
+  # the other sides generate exactly `new_tokens` tokens, so its EOS is a
+  # token the model does not produce here (`<|endoftext|>`).
+  peer_tokenizer = copy.deepcopy(tokenizer)
+  peer_tokenizer.eos_token = peer_tokenizer.pad_token = (
+      peer_tokenizer.convert_ids_to_tokens(0))
+  config = model.config
+  llama = tunix_llama.ModelConfig(
+      num_layers=config.num_hidden_layers, vocab_size=config.vocab_size,
+      embed_dim=config.hidden_size, hidden_dim=config.intermediate_size,
+      num_heads=config.num_attention_heads, head_dim=config.head_dim,
+      num_kv_heads=config.num_key_value_heads,
+      rope_theta=int(config.rope_theta), norm_eps=config.rms_norm_eps,
+      weight_tying=config.tie_word_embeddings)
+  # Tunix 0.1.7's Llama attention calls `apply_rope` without the config's
+  # rope_theta, so its default (1e6) applied instead of SmolLM2's 1e5
+  # (logits 1.05 off transformers'; the work is the same either way).
+  tunix_llama.apply_rope = functools.partial(
+      tunix_llama.apply_rope, rope_theta=int(config.rope_theta))
+  # Auto axes: Tunix's models predate explicit-sharding meshes.
+  mesh = jax.make_mesh((len(jax.devices()), 1), ("fsdp", "tp"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  load = lambda: tunix_params.create_model_from_safe_tensors(  # noqa: E731
+      directory, llama, mesh, dtype=jnp.float32)
+  actor, reference = load(), load()
+  prompts = [tokenizer.apply_chat_template(m, tokenize=False,
+                                           add_generation_prompt=True)
+             for m in _grpo_prompts()]
+  longest = max(len(tokenizer.encode(p)) for p in prompts)
+  prompt_columns = -(-longest // 8) * 8  # As ours: a multiple of 8.
+  tokens = jnp.asarray([tokenizer.encode(prompts[0])], jnp.int32)
+  length = tokens.shape[1]
+  peer_logits, _ = actor(tokens, jnp.arange(length)[None], None,
+                         jnp.tril(jnp.ones((1, length, length), bool)))
+  logit_diff = float(jnp.max(jnp.abs(peer_logits - nnx_jit_forward()(
+      model, tokens, jnp.ones_like(tokens)))))
+  rollout = base_rollout.RolloutConfig(
+      max_tokens_to_generate=ARGS.new_tokens,
+      max_prompt_length=prompt_columns,
+      kv_cache_size=prompt_columns + ARGS.new_tokens + 8,
+      temperature=ARGS.temperature, top_p=ARGS.top_p, top_k=None,
+      data_type=jnp.float32)
+  optimizer = optax.chain(
+      optax.clip_by_global_norm(1.0),
+      optax.adamw(ARGS.learning_rate, b1=0.9, b2=0.999, eps=1e-8,
+                  weight_decay=0.0))
+  roles = {role: mesh for role in (cluster_lib.Role.ACTOR,
+                                   cluster_lib.Role.REFERENCE,
+                                   cluster_lib.Role.ROLLOUT)}
+  cluster = cluster_lib.RLCluster(
+      actor=actor, reference=reference, tokenizer=peer_tokenizer,
+      cluster_config=cluster_lib.ClusterConfig(
+          role_to_mesh=roles, rollout_engine="vanilla",
+          training_config=cluster_lib.RLTrainingConfig(
+              actor_optimizer=optimizer, eval_every_n_steps=10**9,
+              max_steps=ARGS.steps + 1),
+          rollout_config=rollout))
+
+  def reward(prompts, completions, **kwargs):
+    del prompts, kwargs
+    return [shared_reward(c) for c in completions]
+
+  learner = grpo_learner.GRPOLearner(
+      rl_cluster=cluster, reward_fns=reward,
+      algo_config=grpo_learner.GRPOConfig(
+          num_generations=ARGS.group, num_iterations=1, beta=ARGS.kl_beta,
+          kl_loss_mode="low_var_kl", epsilon=0.2,
+          loss_agg_mode="token-mean"))
+
+  generate, rewards, update = (cluster.generate, learner._compute_rewards,
+                               cluster.update_actor)
+
+  def timed_generate(*args, **kwargs):
+    current.clear()
+    current["start"] = time.perf_counter()
+    out = generate(*args, **kwargs)
+    current["rollout_s"] = time.perf_counter() - current["start"]
+    current["tokens"] = sum(len(t) for t in out.tokens)
+    current["rows"] = len(out.tokens)
+    return out
+
+  def timed_rewards(*args, **kwargs):
+    start = time.perf_counter()
+    out = rewards(*args, **kwargs)
+    current["scoring_s"] = time.perf_counter() - start
+    return out
+
+  def timed_update(*args, **kwargs):
+    out = update(*args, **kwargs)
+    jax.block_until_ready(nnx.state(cluster.actor_trainer.model))
+    total = time.perf_counter() - current["start"]
+    times.append({"rollout_s": current["rollout_s"],
+                  "scoring_s": current["scoring_s"],
+                  "update_s": total - current["rollout_s"]
+                  - current["scoring_s"], "step_s": total,
+                  "tokens": current["tokens"], "rows": current["rows"],
+                  "update_columns": prompt_columns + ARGS.new_tokens})
+    return out
+
+  cluster.generate, learner._compute_rewards = timed_generate, timed_rewards
+  cluster.update_actor = timed_update
+  # One array leaf per batch: Tunix repeats every leaf G times.
+  learner.train([{"prompts": np.array(prompts)}
+                 for _ in range(ARGS.steps + 1)])
+  return {**_median_step(times[1:]),  # Step 1 compiles.
+          "max_abs_logit_diff": logit_diff}
+
+
+GRPO_PEERS = ("trl", "tunix")
+
+
 def run_grpo_step() -> None:
   import tempfile
 
@@ -691,24 +823,43 @@ def run_grpo_step() -> None:
     tokenizer.pad_token = tokenizer.eos_token
   model = load_gguf(smollm2_gguf_path(), **(
       {"num_hidden_layers": ARGS.layers} if ARGS.layers else {}))
+  peers = [p for p in ARGS.peers.split(",") if p]
+  unknown = sorted(set(peers) - set(GRPO_PEERS))
+  if unknown or not peers:
+    raise SystemExit(f"--peers: choose from {', '.join(GRPO_PEERS)}, "
+                     f"got {ARGS.peers!r}")
+  if "tunix" in peers:
+    try:
+      import tunix  # noqa: F401
+    except ImportError:
+      raise SystemExit("--peers=tunix needs google-tunix importable; "
+                       "BENCHMARKS.md ('A whole GRPO step') says how to "
+                       "install it beside this environment") from None
+  results = {}
   with tempfile.TemporaryDirectory() as directory:
-    # The same float32 weights on both sides: ours, saved for transformers.
+    # The same float32 weights on every side: ours, saved for the peers.
     save_hf(model, directory)
     tokenizer.save_pretrained(directory)
-    trl_step = _trl_grpo(directory, tokenizer)
+    if "trl" in peers:
+      results["trl"] = _trl_grpo(directory, tokenizer)
+    if "tunix" in peers:
+      results["tunix"] = _tunix_grpo(directory, tokenizer, model)
     ours = _ours_grpo(model, tokenizer)
-  print(json.dumps({
+  line = {
       "scenario": "grpo_step", "model": "smollm2_135m",
       "layers": model.config.num_hidden_layers,
       "prompts": ARGS.prompts, "group": ARGS.group,
       "new_tokens": ARGS.new_tokens, "kl_beta": ARGS.kl_beta,
-      "devices": len(jax.devices()), "torch_threads": torch.get_num_threads(),
-      "vs_trl": round(trl_step["step_s"] / ours["step_s"], 2),
-      "rollout_vs_trl": round(trl_step["rollout_s"] / ours["rollout_s"], 2),
-      "update_vs_trl": round(trl_step["update_s"] / ours["update_s"], 2),
-      "same_work": (ours["tokens"], ours["rows"]) == (trl_step["tokens"],
-                                                      trl_step["rows"]),
-      "ours": ours, "trl": trl_step}), flush=True)
+      "devices": len(jax.devices()), "torch_threads": torch.get_num_threads()}
+  for name, peer in results.items():
+    line.update({
+        f"vs_{name}": round(peer["step_s"] / ours["step_s"], 2),
+        f"rollout_vs_{name}": round(peer["rollout_s"] / ours["rollout_s"], 2),
+        f"update_vs_{name}": round(peer["update_s"] / ours["update_s"], 2),
+        f"same_work_{name}": (ours["tokens"], ours["rows"]) == (
+            peer["tokens"], peer["rows"])})
+  line.update({"ours": ours, **results})
+  print(json.dumps(line), flush=True)
 
 
 def transformers_logging() -> None:

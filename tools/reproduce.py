@@ -24,6 +24,9 @@ several invocations:
 - `report`: `DIR/RESULTS.md` (split, per-category table, paired
   differences with intervals, the two arms side by side, every stage's
   wall time) and `DIR/*.png`, from whatever has been evaluated so far.
+  With `--pool=DIR2,...` (the same config run with other seeds,
+  `--config.seed=1`), it adds each seed's differences and their
+  per-question average (`DIR/pooled_differences.json`).
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ COMPARISONS = (("warm_start", "initial"), ("rl", "warm_start"),
 flags.DEFINE_list("stages", ["all"], "Stages to run, in order: "
                   f"{', '.join(STAGES)}; `all`, or `evaluate` for the "
                   "four evaluations.")
+flags.DEFINE_list("pool", [], "Workdirs of the same config run with other "
+                  "seeds (`--config.seed`): `report` adds the differences "
+                  "per seed and averaged over the seeds.")
 
 
 def _slice(text: str) -> slice:
@@ -247,6 +253,18 @@ def arm_config(config, arm: Policy, warm_start_dir: str):
   return config
 
 
+def _question_pairs(records: dict[str, dict[str, dict]], policy: str,
+                    baseline: str, metric: str, excluded: Sequence[str]
+                    ) -> dict[str, tuple[float, float]]:
+  """question id -> (policy's score, baseline's score) on the questions
+  both scored, categories in `excluded` left out."""
+  return {qid: (record[metric], records[baseline][qid][metric])
+          for qid, record in records[policy].items()
+          if record.get("category") not in excluded
+          and record.get(metric) is not None
+          and records[baseline].get(qid, {}).get(metric) is not None}
+
+
 def paired_differences(records: dict[str, dict[str, dict]],
                        metrics: Sequence[str] = ("context_recall",
                                                  "evidence_recall"),
@@ -259,27 +277,69 @@ def paired_differences(records: dict[str, dict[str, dict]],
   Args:
     records: policy -> question id -> evaluation record.
   """
+  return seed_pooled_differences([records], metrics, excluded, seed)
+
+
+def seed_pooled_differences(runs: Sequence[dict[str, dict[str, dict]]],
+                            metrics: Sequence[str] = ("context_recall",
+                                                      "evidence_recall"),
+                            excluded: Sequence[str] = ("adversarial",),
+                            seed: int = 0) -> list[dict]:
+  """`paired_differences` over runs of the same recipe with different
+  seeds: per question, the difference averaged over the runs, and its 95%
+  bootstrap interval over questions (questions every run scored). With
+  few runs the interval reflects the questions' spread, not the seeds';
+  `per_run` lists each run's own mean difference on the same questions.
+
+  Args:
+    runs: one `records` (policy -> question id -> record) per seed.
+  """
   rng = np.random.default_rng(seed)
   rows = []
   for policy, baseline in COMPARISONS:
-    if policy not in records or baseline not in records:
+    if any(policy not in r or baseline not in r for r in runs):
       continue
     for metric in metrics:
-      pairs = [(record[metric], records[baseline][qid][metric])
-               for qid, record in records[policy].items()
-               if record.get("category") not in excluded
-               and record.get(metric) is not None
-               and records[baseline].get(qid, {}).get(metric) is not None]
-      if not pairs:
+      pairs = [_question_pairs(r, policy, baseline, metric, excluded)
+               for r in runs]
+      # In the first run's order: one run's intervals stay as they were.
+      questions = [q for q in pairs[0] if all(q in p for p in pairs[1:])]
+      if not questions:
         continue
-      ours, theirs = (np.array(v, float) for v in zip(*pairs))
+      scores = np.array([[p[q] for q in questions] for p in pairs],
+                        float)                       # [runs, Q, 2]
+      ours, theirs = scores[..., 0].mean(0), scores[..., 1].mean(0)
       low, high = bootstrap_interval(ours - theirs, rng)
-      rows.append({"policy": policy, "baseline": baseline, "metric": metric,
-                   "n": len(pairs), "policy_mean": float(ours.mean()),
-                   "baseline_mean": float(theirs.mean()),
-                   "difference": float((ours - theirs).mean()),
-                   "ci95": [low, high]})
+      row = {"policy": policy, "baseline": baseline, "metric": metric,
+             "n": len(questions), "policy_mean": float(ours.mean()),
+             "baseline_mean": float(theirs.mean()),
+             "difference": float((ours - theirs).mean()),
+             "ci95": [low, high]}
+      if len(runs) > 1:
+        row["per_run"] = [float(d) for d in
+                          (scores[..., 0] - scores[..., 1]).mean(1)]
+      rows.append(row)
   return rows
+
+
+def pooled_table(rows: list[dict]) -> str:
+  lines = ["| policy − baseline | metric | n | difference per seed | "
+           "seed-averaged difference [95% CI] |", "|---|---|---|---|---|"]
+  for r in rows:
+    low, high = r["ci95"]
+    per_run = ", ".join(f"{d:+.3f}" for d in r["per_run"])
+    lines.append(f"| {r['policy']} − {r['baseline']} | {r['metric']} | "
+                 f"{r['n']} | {per_run} | {r['difference']:+.3f} "
+                 f"[{low:+.3f}, {high:+.3f}] |")
+  return "\n".join(lines)
+
+
+def _evaluated_records(eval_dirs: dict[str, str]
+                       ) -> dict[str, dict[str, dict]]:
+  """policy -> question id -> record, for the policies evaluated."""
+  return {policy: read_records(os.path.join(directory, "predictions.jsonl"))
+          for policy, directory in eval_dirs.items()
+          if os.path.exists(os.path.join(directory, "results.json"))}
 
 
 def differences_table(rows: list[dict]) -> str:
@@ -413,10 +473,11 @@ def _eval_config(config, init_checkpoint: str, checkpoint_step: int,
   return evaluation
 
 
-def reproduce(config, workdir: str, stages: Sequence[str] = STAGES
-              ) -> str | None:
+def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
+              pool: Sequence[str] = ()) -> str | None:
   """Runs (or resumes) `stages`; returns RESULTS.md's text when `report`
-  is one of them."""
+  is one of them (pooling the evaluations of the workdirs in `pool`,
+  the same recipe with other seeds)."""
   os.makedirs(workdir, exist_ok=True)
   record = StageRecord(workdir)
   repro = config.repro
@@ -463,7 +524,7 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES
   for stage in stages:
     if stage == "report":
       text = report(workdir, teachers, held_out, record.done, eval_dirs,
-                    model_dirs, period)
+                    model_dirs, period, pool)
       with open(os.path.join(workdir, "RESULTS.md"), "w") as f:
         f.write(text)
       continue
@@ -491,18 +552,18 @@ def _run_metrics(directory: str) -> list[dict]:
 
 def report(workdir: str, teachers, held_out, wall: dict[str, float],
            eval_dirs: dict[str, str], model_dirs: dict[str, str],
-           period: int) -> str:
+           period: int, pool: Sequence[str] = ()) -> str:
   """RESULTS.md's text (and the plots) from what has been run so far;
-  `model_dirs`: policy -> its run directory."""
-  results, records, banks = {}, {}, {}
+  `model_dirs`: policy -> its run directory; `pool`: workdirs of the
+  same recipe run with other seeds, pooled with this one."""
+  results, banks = {}, {}
   for policy, directory in eval_dirs.items():
     path = os.path.join(directory, "results.json")
     if os.path.exists(path):
       with open(path) as f:
         results[policy] = json.load(f)
-      records[policy] = read_records(os.path.join(directory,
-                                                  "predictions.jsonl"))
       banks[policy] = bank_sizes(os.path.join(directory, "banks", "policy"))
+  records = _evaluated_records(eval_dirs)
   arms = {arm.arm: metrics for name, arm in ARMS.items()
           if (metrics := _run_metrics(model_dirs[name]))}
   sft_metrics = _run_metrics(model_dirs["warm_start"])
@@ -540,6 +601,19 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
               differences_table(differences), ""]
   else:
     lines += ["No policy evaluated yet (`--stages=evaluate,report`).", ""]
+  if pool:
+    runs = [records] + [_evaluated_records(
+        {p: os.path.join(other, "eval", p) for p in eval_dirs})
+        for other in pool]
+    pooled = seed_pooled_differences(runs)
+    with open(os.path.join(workdir, "pooled_differences.json"), "w") as f:
+      json.dump({"workdirs": [workdir, *pool], "rows": pooled}, f, indent=1)
+    lines += [f"## Seeds pooled ({len(runs)} runs: this one, "
+              f"{', '.join(pool)})", "",
+              "Per question, the difference averaged over the runs; the "
+              "interval is over questions (every run's), so with this few "
+              "runs it does not measure the spread between seeds: compare "
+              "the per-seed column.", "", pooled_table(pooled), ""]
   if arms:
     lines += ["## The two GRPO arms (same warm start, same budget)", "",
               arms_table(arms, period), ""]
@@ -563,8 +637,11 @@ def main(argv: list[str]) -> None:
   del argv
   if not flags.FLAGS.workdir:
     raise app.UsageError("--workdir is required")
+  missing = [d for d in flags.FLAGS.pool if not os.path.isdir(d)]
+  if missing:
+    raise app.UsageError(f"--pool: no such workdir: {', '.join(missing)}")
   text = reproduce(flags.FLAGS.config, flags.FLAGS.workdir,
-                   parse_stages(flags.FLAGS.stages))
+                   parse_stages(flags.FLAGS.stages), flags.FLAGS.pool)
   if text is not None:
     print(text)
 

@@ -47,6 +47,26 @@ def test_mixed_masks_in_one_batch_compile_once():
   assert _small_program._cache_size() - before == 1
 
 
+def test_device_inputs_sharded_or_not_match_host_inputs():
+  # Device arrays skip the host conversion and the λ / min_memories
+  # scalars are cached per value: neither may change a result, and the
+  # cached scalars must follow inputs sharded over several devices.
+  inputs = _inputs(np.random.default_rng(3), 16, 4, 32)
+  want = _check(inputs, atol=1e-5, lam=2e-4)
+  on_device = [jnp.asarray(x) for x in inputs]
+  np.testing.assert_array_equal(
+      np.asarray(residual_cmi(*on_device, lam=2e-4)), want)
+  mesh = jax.make_mesh((2,), ("batch",), devices=jax.devices()[:2])
+  sharded = [jax.device_put(x, jax.NamedSharding(
+      mesh, jax.P("batch", *([None] * (x.ndim - 1))))) for x in on_device]
+  np.testing.assert_allclose(
+      np.asarray(residual_cmi(*sharded, lam=2e-4)), want, atol=1e-6)
+  # An integer-valued λ is the same traced float32 scalar.
+  np.testing.assert_allclose(np.asarray(residual_cmi(*on_device, lam=1)),
+                             residual_cmi_reference(*inputs, lam=1.0),
+                             atol=1e-5)
+
+
 def test_realistic_embeddings():
   """Embeddings of real encoders share a mean direction and live near a
   low-dimensional subspace; the test encoder gives such vectors for text."""
