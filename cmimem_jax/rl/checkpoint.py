@@ -44,9 +44,13 @@ class Checkpointer:
     if keep_period < 0:
       raise ValueError("keep_period must be >= 0")
     self.directory = os.path.abspath(directory)
+    # A read-only manager saves and deletes nothing: the options say so,
+    # which orbax would otherwise correct with a warning each.
     self.manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, keep_period=keep_period or None,
+            max_to_keep=None if read_only else keep,
+            keep_period=keep_period or None,
+            save_interval_steps=0 if read_only else 1,
             create=not read_only, read_only=read_only,
             enable_async_checkpointing=async_save))
 
