@@ -220,6 +220,33 @@ def test_stages_run_once_in_order_and_resume(tmp_path, monkeypatch):
   assert "No policy evaluated yet" in text and "Paired" not in text
 
 
+def test_another_seed_reuses_the_finished_seed_independent_stages(tmp_path):
+  """`--reuse`: the warm start linked, the teacher data and the initial /
+  warm-start evaluations copied and recorded with the source's seconds;
+  stages the source has not finished, or this run has, are left alone."""
+  source, target = tmp_path / "seed0", tmp_path / "seed1"
+  (source / "sft" / "checkpoints").mkdir(parents=True)
+  (source / "sft_data.jsonl").write_text('{"x": 1}\n')
+  (source / "eval" / "initial").mkdir(parents=True)
+  (source / "eval" / "initial" / "results.json").write_text("{}")
+  (source / "stages.json").write_text(json.dumps(
+      {"teacher": 47.2, "warm_start": 1425.4, "grpo": 1258.1,
+       "eval_initial": 295.3}))
+  target.mkdir()
+  (target / "stages.json").write_text(json.dumps({"eval_initial": 1.0}))
+  record = reproduce.StageRecord(str(target))
+  reproduce.reuse_stages(str(target), str(source), record)
+  assert (target / "sft").is_symlink()
+  assert (target / "sft").resolve() == (source / "sft").resolve()
+  assert (target / "sft_data.jsonl").read_text() == '{"x": 1}\n'
+  # grpo depends on the seed; eval_initial was already this run's own;
+  # eval_warm_start was not finished in the source.
+  assert json.loads((target / "stages.json").read_text()) == {
+      "eval_initial": 1.0, "teacher": 47.2, "warm_start": 1425.4}
+  assert not (target / "eval" / "initial").exists()
+  assert not (target / "eval" / "warm_start").exists()
+
+
 def test_report_is_written_from_what_has_been_evaluated(tmp_path,
                                                         monkeypatch):
   """RESULTS.md from two evaluated policies and both arms' metrics: the

@@ -27,6 +27,10 @@ several invocations:
   With `--pool=DIR2,...` (the same config run with other seeds,
   `--config.seed=1`), it adds each seed's differences and their
   per-question average (`DIR/pooled_differences.json`).
+
+Another seed from the same warm start: `--config.seed=1 --workdir=DIR1
+--reuse=DIR --pool=DIR` (the teacher data, warm start and the `initial`
+/ `warm_start` evaluations are taken from DIR, the rest runs in DIR1).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import copy
 import functools
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -84,6 +89,12 @@ COMPARISONS = (("warm_start", "initial"), ("rl", "warm_start"),
 flags.DEFINE_list("stages", ["all"], "Stages to run, in order: "
                   f"{', '.join(STAGES)}; `all`, or `evaluate` for the "
                   "four evaluations.")
+flags.DEFINE_string("reuse", "", "A workdir of the same config whose "
+                    "teacher data, warm start and initial / warm-start "
+                    "evaluations this run takes over instead of recomputing "
+                    "them: with another `--config.seed`, only GRPO and its "
+                    "evaluations then vary (a recomputed warm start would "
+                    "shuffle its data by the seed too).")
 flags.DEFINE_list("pool", [], "Workdirs of the same config run with other "
                   "seeds (`--config.seed`): `report` adds the differences "
                   "per seed and averaged over the seeds.")
@@ -234,6 +245,37 @@ class StageRecord:
     with open(staging, "w") as f:
       json.dump(self.done, f, indent=1)
     os.replace(staging, self.path)
+
+
+# What the seed-independent stages leave in a workdir (`--reuse`): the
+# teacher data, the warm start and the evaluations of the two policies
+# that precede GRPO.
+REUSABLE = {"teacher": "sft_data.jsonl", "warm_start": "sft",
+            "eval_initial": os.path.join("eval", "initial"),
+            "eval_warm_start": os.path.join("eval", "warm_start")}
+
+
+def reuse_stages(workdir: str, source: str, record: StageRecord) -> None:
+  """Takes `REUSABLE` stages that `source` (a workdir of the same config,
+  e.g. another seed's) finished and this workdir has not: the warm start
+  is linked (only read from here on), the rest copied; each is recorded
+  with `source`'s wall seconds."""
+  with open(os.path.join(source, "stages.json")) as f:
+    finished = json.load(f)
+  for stage, path in REUSABLE.items():
+    if stage not in finished or stage in record.done:
+      continue
+    origin, target = os.path.join(source, path), os.path.join(workdir, path)
+    if not os.path.exists(target):
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      if stage == "warm_start":
+        os.symlink(os.path.abspath(origin), target)
+      elif os.path.isdir(origin):
+        shutil.copytree(origin, target)
+      else:
+        shutil.copy2(origin, target)
+    record.finish(stage, finished[stage])
+    print(f"{stage}: reused from {source} ({finished[stage]} s there)")
 
 
 # The stage whose output a stage starts from.
@@ -474,12 +516,15 @@ def _eval_config(config, init_checkpoint: str, checkpoint_step: int,
 
 
 def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
-              pool: Sequence[str] = ()) -> str | None:
+              pool: Sequence[str] = (), reuse: str = "") -> str | None:
   """Runs (or resumes) `stages`; returns RESULTS.md's text when `report`
   is one of them (pooling the evaluations of the workdirs in `pool`,
-  the same recipe with other seeds)."""
+  the same recipe with other seeds). `reuse`: a workdir whose finished
+  seed-independent stages (`REUSABLE`) this one takes over."""
   os.makedirs(workdir, exist_ok=True)
   record = StageRecord(workdir)
+  if reuse:
+    reuse_stages(workdir, reuse, record)
   repro = config.repro
   locomo = load_dataset("locomo", repro.locomo)
   teachers = locomo[_slice(repro.teacher_dialogues)]
@@ -637,11 +682,14 @@ def main(argv: list[str]) -> None:
   del argv
   if not flags.FLAGS.workdir:
     raise app.UsageError("--workdir is required")
-  missing = [d for d in flags.FLAGS.pool if not os.path.isdir(d)]
+  missing = [d for d in [*flags.FLAGS.pool, flags.FLAGS.reuse]
+             if d and not os.path.isfile(os.path.join(d, "stages.json"))]
   if missing:
-    raise app.UsageError(f"--pool: no such workdir: {', '.join(missing)}")
+    raise app.UsageError(f"--pool / --reuse: not a workdir of this tool "
+                         f"(no stages.json): {', '.join(missing)}")
   text = reproduce(flags.FLAGS.config, flags.FLAGS.workdir,
-                   parse_stages(flags.FLAGS.stages), flags.FLAGS.pool)
+                   parse_stages(flags.FLAGS.stages), flags.FLAGS.pool,
+                   flags.FLAGS.reuse)
   if text is not None:
     print(text)
 
