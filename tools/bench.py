@@ -813,6 +813,19 @@ GRPO_PEERS = ("trl", "tunix")
 def run_grpo_step() -> None:
   import tempfile
 
+  peers = [p for p in ARGS.peers.split(",") if p]
+  unknown = sorted(set(peers) - set(GRPO_PEERS))
+  if unknown or not peers:
+    raise SystemExit(f"--peers: choose from {', '.join(GRPO_PEERS)}, "
+                     f"got {ARGS.peers!r}")
+  if "tunix" in peers:
+    try:
+      import tunix  # noqa: F401
+    except ImportError:
+      raise SystemExit("--peers=tunix needs google-tunix importable: "
+                       "`make tunix-peer`, then run with PYTHONPATH=.tunix "
+                       "(BENCHMARKS.md, 'Second peer: Tunix')") from None
+
   from cmimem_jax.models.qwen3 import load_gguf
   from cmimem_jax.models.qwen3.params import smollm2_gguf_path, save_hf
   from cmimem_jax.sampling import load_tokenizer
@@ -823,18 +836,6 @@ def run_grpo_step() -> None:
     tokenizer.pad_token = tokenizer.eos_token
   model = load_gguf(smollm2_gguf_path(), **(
       {"num_hidden_layers": ARGS.layers} if ARGS.layers else {}))
-  peers = [p for p in ARGS.peers.split(",") if p]
-  unknown = sorted(set(peers) - set(GRPO_PEERS))
-  if unknown or not peers:
-    raise SystemExit(f"--peers: choose from {', '.join(GRPO_PEERS)}, "
-                     f"got {ARGS.peers!r}")
-  if "tunix" in peers:
-    try:
-      import tunix  # noqa: F401
-    except ImportError:
-      raise SystemExit("--peers=tunix needs google-tunix importable; "
-                       "BENCHMARKS.md ('A whole GRPO step') says how to "
-                       "install it beside this environment") from None
   results = {}
   with tempfile.TemporaryDirectory() as directory:
     # The same float32 weights on every side: ours, saved for the peers.

@@ -376,6 +376,11 @@ def pooled_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def _eval_dirs(workdir: str) -> dict[str, str]:
+  """policy -> its evaluation directory under `workdir`."""
+  return {p: os.path.join(workdir, "eval", p) for p in POLICIES}
+
+
 def _evaluated_records(eval_dirs: dict[str, str]
                        ) -> dict[str, dict[str, dict]]:
   """policy -> question id -> record, for the policies evaluated."""
@@ -538,7 +543,7 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
   model_dirs = {name: os.path.join(workdir, policy.run) if policy.run else ""
                 for name, policy in POLICIES.items()}
   sft_dir = model_dirs["warm_start"]
-  eval_dirs = {p: os.path.join(workdir, "eval", p) for p in POLICIES}
+  eval_dirs = _eval_dirs(workdir)
 
   def teacher() -> None:
     records, rejected = annotation_trajectories(
@@ -647,9 +652,8 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
   else:
     lines += ["No policy evaluated yet (`--stages=evaluate,report`).", ""]
   if pool:
-    runs = [records] + [_evaluated_records(
-        {p: os.path.join(other, "eval", p) for p in eval_dirs})
-        for other in pool]
+    runs = [records] + [_evaluated_records(_eval_dirs(other))
+                        for other in pool]
     pooled = seed_pooled_differences(runs)
     with open(os.path.join(workdir, "pooled_differences.json"), "w") as f:
       json.dump({"workdirs": [workdir, *pool], "rows": pooled}, f, indent=1)

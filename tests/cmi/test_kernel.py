@@ -61,6 +61,12 @@ def test_device_inputs_sharded_or_not_match_host_inputs():
       mesh, jax.P("batch", *([None] * (x.ndim - 1))))) for x in on_device]
   np.testing.assert_allclose(
       np.asarray(residual_cmi(*sharded, lam=2e-4)), want, atol=1e-6)
+  # A device array of another dtype is still computed in float32.
+  half = jnp.asarray(inputs[2], jnp.bfloat16)
+  np.testing.assert_allclose(
+      np.asarray(residual_cmi(*on_device[:2], half, on_device[3])),
+      residual_cmi_reference(*inputs[:2], np.asarray(half, np.float32),
+                             inputs[3]), atol=1e-5)
   # An integer-valued λ is the same traced float32 scalar.
   np.testing.assert_allclose(np.asarray(residual_cmi(*on_device, lam=1)),
                              residual_cmi_reference(*inputs, lam=1.0),
