@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cmimem_jax.cmi import residual_cmi, residual_cmi_unchecked
+from cmimem_jax.cmi import kernel, residual_cmi, residual_cmi_unchecked
 from cmimem_jax.cmi.kernel import _small_program
 
 from reference import residual_cmi_reference  # noqa: I100
@@ -24,9 +24,32 @@ def _check(inputs, atol, **kwargs):
   return got
 
 
+@pytest.fixture(params=["matmul", "lanes"])
+def kernel_path(request, monkeypatch):
+  """Runs a test on both of the kernel's CPU paths: one program of batched
+  matmuls (small work) and separate programs of lane reductions (large
+  work), the latter forced on small shapes."""
+  if request.param == "lanes":
+    monkeypatch.setattr(kernel, "SMALL_WORK", 0)
+  return request.param
+
+
 @pytest.mark.parametrize("n,d", [(0, 16), (1, 16), (2, 8), (8, 384), (20, 64)])
-def test_random_inputs(n, d):
+def test_random_inputs(n, d, kernel_path):
+  del kernel_path
   _check(_inputs(np.random.default_rng(n), 64, n, d), atol=1e-5)
+
+
+def test_a_call_uses_one_form_for_all_its_products(kernel_path):
+  # A batched matmul among lane reductions slows their program by more
+  # than it takes alone: the products of one call share one form.
+  queries = jnp.zeros((4, 2, 16))
+  mem = jnp.zeros((4, 3, 16))
+  text = str(jax.make_jaxpr(lambda q, m: (
+      kernel._products(q, m),
+      kernel._anchored_products(m, q)))(queries, mem))
+  matmuls = text.count("dot_general")
+  assert matmuls == (0 if kernel_path == "lanes" else 5)
 
 
 def test_mixed_masks_in_one_batch_compile_once():
@@ -90,7 +113,8 @@ def test_realistic_embeddings():
   _check(inputs, atol=1e-5)
 
 
-def test_degenerate_inputs():
+def test_degenerate_inputs(kernel_path):
+  del kernel_path
   rng = np.random.default_rng(3)
   e_c, e_n, mem, _ = _inputs(rng, 64, 8, 64)
   full = np.ones((64, 8), bool)
@@ -120,7 +144,8 @@ def test_degenerate_inputs():
   np.testing.assert_allclose(residual_cmi(e_c, e_c, mem, ~full), 1, atol=1e-6)
 
 
-def test_extreme_but_finite_inputs_stay_finite():
+def test_extreme_but_finite_inputs_stay_finite(kernel_path):
+  del kernel_path
   rng = np.random.default_rng(4)
   e_c, e_n, mem, mask = _inputs(rng, 32, 8, 16)
   for scale in (1e-30, 1e30):
