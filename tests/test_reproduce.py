@@ -193,9 +193,11 @@ def test_stages_run_once_in_order_and_resume(tmp_path, monkeypatch):
   calls = []
   monkeypatch.setattr(reproduce, "load_dataset", lambda *_: dialogues)
   monkeypatch.setattr(reproduce, "make_encoder", lambda _: None)
+  monkeypatch.setattr(reproduce, "load_tokenizer", lambda _: None)
   monkeypatch.setattr(reproduce, "annotation_trajectories",
                       lambda teachers, *_: (calls.append(
-                          ("teacher", len(teachers))) or [{"x": 1}], 0))
+                          ("teacher", len(teachers)))
+                                            or [{"retrieved_per_type": 3}], 0))
   monkeypatch.setattr(reproduce, "run_sft", lambda c, d: calls.append(
       ("warm_start", os.path.basename(d))))
   monkeypatch.setattr(reproduce, "train", lambda c, d: calls.append(

@@ -10,7 +10,11 @@ for the supervised warm start (`python -m cmimem_jax.sft`).
 
 Each record's prompt is what the RL policy sees for that session (the bank
 built so far by the teacher's own earlier answers); only valid responses
-are kept, and the rejected ones are counted in the printed summary.
+are kept, and the rejected ones are counted in the printed summary. With
+`--max_prompt_tokens=T` a prompt over T tokens is written with fewer
+retrieved entries per type (`retrieved_per_type` in the record; `trimmed`
+in the summary counts them), so the warm start can train on late
+sessions, whose prompts carry a large bank, instead of skipping them.
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ from cmimem_jax.client import EndpointConfig, OpenAIClient  # noqa: E402
 from cmimem_jax.config import memory_defaults  # noqa: E402
 from cmimem_jax.data import load_dataset  # noqa: E402
 from cmimem_jax.encoders import make_encoder  # noqa: E402
+from cmimem_jax.sampling import load_tokenizer  # noqa: E402
 from cmimem_jax.task.warm_start import (annotation_trajectories,  # noqa: E402
-                                        teacher_trajectories, write_jsonl)
+                                        teacher_trajectories, token_budget,
+                                        write_jsonl)
+from configs import default  # noqa: E402
 
 
 def dialogue_slice(text: str) -> slice:
@@ -52,6 +59,14 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--dim", type=int, default=384)
   parser.add_argument("--top_k", type=int, default=20,
                       help="retrieved entries per type in the prompt")
+  parser.add_argument("--max_prompt_tokens", type=int, default=0,
+                      help="> 0: a prompt over this many tokens is written "
+                      "with fewer retrieved entries per type, the least "
+                      "similar dropped first, until it fits (the teacher "
+                      "still answers the full prompt)")
+  parser.add_argument("--tokenizer", default="",
+                      help="tokenizer for --max_prompt_tokens (default: "
+                      "the default config's policy tokenizer)")
   parser.add_argument("--base_url", default="",
                       help="teacher endpoint (default: annotations)")
   parser.add_argument("--model", default="", help="teacher model name")
@@ -61,17 +76,24 @@ def main(argv: list[str] | None = None) -> dict:
   encoder = make_encoder(ml_collections.ConfigDict(
       {"kind": args.encoder, "dim": args.dim, "path": ""}))
   memory = memory_defaults()
+  fits = None
+  if args.max_prompt_tokens > 0:
+    fits = token_budget(load_tokenizer(
+        args.tokenizer or default.get_config().policy.tokenizer),
+                        args.max_prompt_tokens)
   if args.base_url:
     chat = OpenAIClient(EndpointConfig(base_url=args.base_url,
                                        model=args.model))
     records, rejected = teacher_trajectories(dialogues, encoder, chat, memory,
-                                             args.top_k, args.model)
+                                             args.top_k, args.model, fits)
   else:
     records, rejected = annotation_trajectories(dialogues, encoder, memory,
-                                                args.top_k)
+                                                args.top_k, fits)
   write_jsonl(args.output, records)
   summary = {"output": args.output, "dialogues": len(dialogues),
              "records": len(records), "rejected": rejected,
+             "trimmed": sum(r["retrieved_per_type"] < args.top_k
+                            for r in records),
              "dialogue_ids": sorted({r["dialogue_id"] for r in records})}
   print(json.dumps(summary))
   return summary

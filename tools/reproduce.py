@@ -58,9 +58,10 @@ from cmimem_jax.evaluation.run import evaluate, read_records  # noqa: E402
 from cmimem_jax.memory import MemoryBank  # noqa: E402
 from cmimem_jax.memory.types import ENTRY_TYPES  # noqa: E402
 from cmimem_jax.rl import read_metrics  # noqa: E402
+from cmimem_jax.sampling import load_tokenizer  # noqa: E402
 from cmimem_jax.task.loop import train  # noqa: E402
 from cmimem_jax.task.warm_start import (annotation_trajectories,  # noqa: E402
-                                        run_sft, write_jsonl)
+                                        run_sft, token_budget, write_jsonl)
 
 
 class Policy(NamedTuple):
@@ -546,11 +547,16 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
   eval_dirs = _eval_dirs(workdir)
 
   def teacher() -> None:
+    top_k = config.rollout.retrieval_top_k
+    fits = (token_budget(load_tokenizer(config.policy.tokenizer),
+                         config.sft.max_prompt_tokens)
+            if config.sft.trim_retrieved else None)
     records, rejected = annotation_trajectories(
-        teachers, make_encoder(config.encoder), config.memory,
-        config.rollout.retrieval_top_k)
+        teachers, make_encoder(config.encoder), config.memory, top_k, fits)
     write_jsonl(data, records)
-    print(json.dumps({"sft_records": len(records), "rejected": rejected}))
+    print(json.dumps({"sft_records": len(records), "rejected": rejected,
+                      "trimmed": sum(r["retrieved_per_type"] < top_k
+                                     for r in records)}))
 
   runs = {"teacher": teacher,
           "warm_start": lambda: run_sft(config, sft_dir)}

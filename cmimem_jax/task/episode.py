@@ -41,13 +41,37 @@ def session_questions(dialogue: Dialogue, session: Session
                if q.evidence_sessions == (session.session_id,))
 
 
+# Whether a policy prompt fits a token budget (`fitted_policy_messages`).
+PromptFits = Callable[[Messages], bool]
+
+
+def fitted_policy_messages(bank: MemoryBank, session: Session,
+                           encoder: Encoder, top_k: int,
+                           fits: PromptFits | None = None
+                           ) -> tuple[Messages, int]:
+  """`policy_messages`; with `fits`, a prompt it rejects shows fewer
+  retrieved entries per type (each type's least similar dropped first)
+  until it fits or none are left.
+
+  Returns:
+    The messages and the retrieved entries per type they show.
+  """
+  retrieved = (retrieve_per_type(bank, encoder, session.format(), top_k)
+               if top_k > 0 and len(bank) else {})
+  k = top_k
+  messages = build_policy_messages(bank, session, retrieved)
+  while fits is not None and k > 0 and not fits(messages):
+    k -= 1
+    messages = build_policy_messages(
+        bank, session, {t: hits[:k] for t, hits in retrieved.items()})
+  return messages, k
+
+
 def policy_messages(bank: MemoryBank, session: Session, encoder: Encoder,
                     top_k: int) -> Messages:
   """Listings 6-7 with the top-k entries per type (k = 0: no retrieval
   index, the ablation)."""
-  retrieved = (retrieve_per_type(bank, encoder, session.format(), top_k)
-               if top_k > 0 and len(bank) else {})
-  return build_policy_messages(bank, session, retrieved)
+  return fitted_policy_messages(bank, session, encoder, top_k)[0]
 
 
 def apply_to_copy(bank: MemoryBank, session: Session, response: ParsedResponse,

@@ -45,7 +45,7 @@ from cmimem_jax.rl import (Checkpointer, Learner, MetricsWriter,
 from cmimem_jax.sampling import (bucket_length, encode_chat, load_policy,
                                  load_tokenizer)
 from cmimem_jax.task.build_memory import annotation_responder
-from cmimem_jax.task.episode import policy_messages
+from cmimem_jax.task.episode import PromptFits, fitted_policy_messages
 
 _TYPE_ORDER = {t: i for i, t in enumerate(MemoryType)}
 
@@ -60,32 +60,40 @@ def canonical_response(response: ParsedResponse) -> str:
 
 
 def trajectories(dialogue: Dialogue, encoder: Encoder, respond: Responder,
-                 memory: Any, top_k: int, source: str
+                 memory: Any, top_k: int, source: str,
+                 fits: PromptFits | None = None
                  ) -> tuple[list[dict[str, Any]], int]:
   """Runs `respond` through `dialogue`'s sessions (each response applied
-  to the bank the next session sees).
+  to the bank the next session sees). The teacher answers the full
+  prompt; `fits` trims only the prompt recorded for training
+  (`fitted_policy_messages`, its `retrieved_per_type` in the record).
 
   Returns:
     The JSONL records of the valid responses, and how many were rejected.
   """
   _, _, steps = build_bank(dialogue, encoder, respond, memory)
-  records = [{"dialogue_id": dialogue.dialogue_id,
-              "session_index": step.session.index, "source": source,
-              "messages": policy_messages(step.bank_before, step.session,
-                                          encoder, top_k),
-              "response": canonical_response(step.response)}
-             for step in steps if step.response.valid]
+  records = []
+  for step in steps:
+    if not step.response.valid:
+      continue
+    messages, shown = fitted_policy_messages(step.bank_before, step.session,
+                                             encoder, top_k, fits)
+    records.append({"dialogue_id": dialogue.dialogue_id,
+                    "session_index": step.session.index, "source": source,
+                    "messages": messages, "retrieved_per_type": shown,
+                    "response": canonical_response(step.response)})
   return records, len(steps) - len(records)
 
 
 def annotation_trajectories(dialogues: Iterable[Dialogue], encoder: Encoder,
-                            memory: Any, top_k: int
+                            memory: Any, top_k: int,
+                            fits: PromptFits | None = None
                             ) -> tuple[list[dict[str, Any]], int]:
   """Teacher = LoCoMo's observation / event_summary annotations."""
   records, rejected = [], 0
   for dialogue in dialogues:
     out, bad = trajectories(dialogue, encoder, annotation_responder(dialogue),
-                            memory, top_k, "annotations")
+                            memory, top_k, "annotations", fits)
     records += out
     rejected += bad
   return records, rejected
@@ -93,16 +101,23 @@ def annotation_trajectories(dialogues: Iterable[Dialogue], encoder: Encoder,
 
 def teacher_trajectories(dialogues: Iterable[Dialogue], encoder: Encoder,
                          chat: ChatModel, memory: Any, top_k: int,
-                         name: str) -> tuple[list[dict[str, Any]], int]:
+                         name: str, fits: PromptFits | None = None
+                         ) -> tuple[list[dict[str, Any]], int]:
   """Teacher = any chat model answering the policy prompt."""
   records, rejected = [], 0
   for dialogue in dialogues:
     out, bad = trajectories(dialogue, encoder,
                             policy_responder(chat, encoder, top_k), memory,
-                            top_k, f"teacher:{name}")
+                            top_k, f"teacher:{name}", fits)
     records += out
     rejected += bad
   return records, rejected
+
+
+def token_budget(tokenizer: Any, max_prompt_tokens: int) -> PromptFits:
+  """`PromptFits` for prompts of at most `max_prompt_tokens` chat tokens."""
+  return lambda messages: len(encode_chat(tokenizer, messages)) <= (
+      max_prompt_tokens)
 
 
 def write_jsonl(path: str, records: Sequence[dict[str, Any]]) -> None:
@@ -131,6 +146,9 @@ def _check_sft(c) -> None:
       buckets and max(buckets) < longest):
     c.problems.append(f"sft.buckets {tuple(buckets)} must reach "
                       f"sft.max_prompt_tokens={longest}")
+  c.check("sft.trim_retrieved", lambda v: isinstance(v, bool),
+          "True or False (teacher prompts over sft.max_prompt_tokens "
+          "written with fewer retrieved entries)")
   c.check("sft.data", lambda v: isinstance(v, str) and os.path.isfile(v),
           "an existing JSONL file (tools/make_sft_data.py writes one)")
 

@@ -15,6 +15,7 @@ from cmimem_jax.encoders import HashingEncoder
 from cmimem_jax.memory import MemoryBank, apply_response
 from cmimem_jax.memory.dsl import parse, response_regex
 from cmimem_jax.rl import Checkpointer, read_metrics
+from cmimem_jax.sampling import encode_chat, load_tokenizer
 from cmimem_jax.task.loop import Trainer
 from cmimem_jax.task.warm_start import run_sft, write_jsonl
 
@@ -47,6 +48,18 @@ def test_annotation_trajectories_are_valid_and_apply(tmp_path, locomo_path):
                                   session_index=record["session_index"])
     assert report.applied and not report.errors
   assert len(bank) > 50  # Every session's events and observations landed.
+  # Under a token budget, late sessions show fewer retrieved entries.
+  budget = 1200
+  summary = tool.main([f"--input={locomo_path}", "--dialogues=0:1",
+                       f"--output={output}", "--encoder=hashing", "--dim=32",
+                       f"--max_prompt_tokens={budget}"])
+  fitted = [json.loads(line) for line in output.read_text().splitlines()]
+  assert [r["response"] for r in fitted] == [r["response"] for r in records]
+  tokenizer = load_tokenizer("")
+  lengths = [len(encode_chat(tokenizer, r["messages"])) for r in fitted]
+  shown = [r["retrieved_per_type"] for r in fitted]
+  assert summary["trimmed"] == sum(k < 20 for k in shown) > 0
+  assert all(n <= budget or k == 0 for n, k in zip(lengths, shown))
 
 
 def tiny_config(tmp_path, **overrides):
