@@ -35,7 +35,7 @@ from cmimem_jax.encoders import make_encoder  # noqa: E402
 from cmimem_jax.sampling import load_tokenizer  # noqa: E402
 from cmimem_jax.task.warm_start import (annotation_trajectories,  # noqa: E402
                                         teacher_trajectories, token_budget,
-                                        write_jsonl)
+                                        trimmed_count, write_jsonl)
 from configs import default  # noqa: E402
 
 
@@ -92,8 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
   write_jsonl(args.output, records)
   summary = {"output": args.output, "dialogues": len(dialogues),
              "records": len(records), "rejected": rejected,
-             "trimmed": sum(r["retrieved_per_type"] < args.top_k
-                            for r in records),
+             "trimmed": trimmed_count(records, args.top_k),
              "dialogue_ids": sorted({r["dialogue_id"] for r in records})}
   print(json.dumps(summary))
   return summary

@@ -61,7 +61,8 @@ from cmimem_jax.rl import read_metrics  # noqa: E402
 from cmimem_jax.sampling import load_tokenizer  # noqa: E402
 from cmimem_jax.task.loop import train  # noqa: E402
 from cmimem_jax.task.warm_start import (annotation_trajectories,  # noqa: E402
-                                        run_sft, token_budget, write_jsonl)
+                                        run_sft, token_budget, trimmed_count,
+                                        write_jsonl)
 
 
 class Policy(NamedTuple):
@@ -555,8 +556,7 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
         teachers, make_encoder(config.encoder), config.memory, top_k, fits)
     write_jsonl(data, records)
     print(json.dumps({"sft_records": len(records), "rejected": rejected,
-                      "trimmed": sum(r["retrieved_per_type"] < top_k
-                                     for r in records)}))
+                      "trimmed": trimmed_count(records, top_k)}))
 
   runs = {"teacher": teacher,
           "warm_start": lambda: run_sft(config, sft_dir)}

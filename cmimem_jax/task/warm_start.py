@@ -120,6 +120,12 @@ def token_budget(tokenizer: Any, max_prompt_tokens: int) -> PromptFits:
       max_prompt_tokens)
 
 
+def trimmed_count(records: Sequence[dict[str, Any]], top_k: int) -> int:
+  """How many records' prompts show fewer than `top_k` retrieved entries
+  per type (trimmed to a token budget)."""
+  return sum(r["retrieved_per_type"] < top_k for r in records)
+
+
 def write_jsonl(path: str, records: Sequence[dict[str, Any]]) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w", encoding="utf-8") as f:
