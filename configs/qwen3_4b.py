@@ -56,6 +56,10 @@ def get_config() -> ml_collections.ConfigDict:
       # verl's default (MemBuilder's run): every completion token of the
       # step weighs the same.
       "loss_aggregation": "token_mean",
+      # Whole rows: shared prompts attend through an XLA `[T, Tp]` score
+      # block per row and head (20k x 6k here), not splash / cuDNN; the
+      # plan (tools/plan.py) is proven for whole rows.
+      "share_prompts": False,
       # Fixed expert states M_{t-1} (the paper's data "synthesized by
       # deepseek-v4-pro following Shen et al. (2026)"):
       # tools/build_expert_states.py --config=configs/qwen3_4b.py ...

@@ -78,6 +78,9 @@ def get_config() -> ml_collections.ConfigDict:
       # (verl's default, MemBuilder's run); sequence_mean: per-sequence
       # means averaged (the GRPO paper).
       "loss_aggregation": "token_mean",
+      # The learner runs each session's prompt once for its rollouts
+      # (exact; `rl.TrainStepConfig.share_prompts`).
+      "share_prompts": True,
       # M_{t-1} of each session: "policy" (built by the initial policy,
       # rebuilt by the current one every snapshot_refresh_epochs epochs)
       # or a directory of fixed expert states (the paper's protocol;

@@ -45,8 +45,11 @@ def test_model_scenarios_agree_with_transformers():
   for row in (forward, generate):
     assert _positive(row["speedup_vs_transformers"])
     assert _positive(row["ours_tokens_per_s"])
-  (step,) = _bench("train_step", "--layers=1", "--length=32", "--reps=1")
-  assert _positive(step["train_step_over_forward"])
+  (step,) = _bench("train_step", "--layers=1", "--length=32", "--reps=1",
+                   "--group=2", "--completion=8")
+  assert step["prompt"] == 24 and step["group"] == 2
+  for key in ("train_step_over_forward", "shared_prompt_speedup"):
+    assert _positive(step[key])
 
 
 @pytest.mark.slow
@@ -73,6 +76,8 @@ def test_grpo_step_against_trl_and_tunix_does_the_same_work():
                   "--peers=trl,tunix", pythonpath=TUNIX_DIR)
   assert row["layers"] == 1
   assert row["ours"]["tokens"] == 2 * 2 * 8 and row["ours"]["rows"] == 4
+  # Each prompt ran once for its two rows (one per device).
+  assert row["ours"]["prompt_group"] == 2
   for peer in ("trl", "tunix"):
     assert row[f"same_work_{peer}"], row
     assert _positive(row[f"vs_{peer}"])

@@ -86,6 +86,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
   train.add_argument("--devices", type=int, default=1)
   train.add_argument("--attention_impl", default="auto",
                      choices=ATTENTION_CHOICES)
+  train.add_argument("--completion", type=int, default=0,
+                     help="completion columns per row (0: half the row)")
+  train.add_argument("--group", type=int, default=1,
+                     help="rows per shared prompt: > 1 also times the step "
+                     "over whole rows against the one that runs each "
+                     "prompt once (rl.TrainStepConfig.share_prompts)")
   train.add_argument("--remat", default="none", choices=("none", "full",
                                                          "dots"),
                      help="the layers' rematerialisation (Qwen3Config.remat)")
@@ -102,8 +108,13 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
   grpo.add_argument("--learning_rate", type=float, default=1e-6)
   grpo.add_argument("--layers", type=int, default=0,
                     help="keep the first N decoder layers (0: all 30)")
-  grpo.add_argument("--devices", type=int, default=os.cpu_count() or 1,
+  # One XLA CPU device already runs its intra-op work on every core;
+  # sharding the rows over one device per core was slower (BENCHMARKS.md).
+  grpo.add_argument("--devices", type=int, default=1,
                     help="CPU devices our step shards its rows over")
+  grpo.add_argument("--whole_rows", action="store_true",
+                    help="our update runs every row whole, as the peers "
+                    "do (rl.TrainStepConfig.share_prompts=False)")
   grpo.add_argument("--peers", default="trl",
                     help="comma-separated: trl (the `bench` extra), tunix "
                     "(installed as BENCHMARKS.md says)")
@@ -505,10 +516,17 @@ def run_train_step() -> None:
   model = Qwen3(config, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   b, t = ARGS.batch, ARGS.length
+  prompt = t - (ARGS.completion or t // 2)
+  if not 0 < prompt < t or b % ARGS.group:
+    raise SystemExit(f"need 0 < --completion < --length and --batch a "
+                     f"multiple of --group, got {ARGS.completion}, {t}, {b}, "
+                     f"{ARGS.group}")
   tokens = rng.integers(1, config.vocab_size, (b, t)).astype(np.int32)
+  # Groups of `group` rows continue one prompt, as a session's rollouts do.
+  tokens[:, :prompt] = np.repeat(tokens[::ARGS.group, :prompt], ARGS.group, 0)
   mask = np.ones((b, t), np.int32)
   loss_mask = np.zeros((b, t), np.int32)
-  loss_mask[:, t // 2:] = 1  # Second half: the completion.
+  loss_mask[:, prompt:] = 1
   batch = {"tokens": tokens, "mask": mask, "loss_mask": loss_mask,
            "old_logprobs": np.full((b, t), -10.0, np.float32) * loss_mask,
            "advantages": rng.standard_normal(b).astype(np.float32),
@@ -517,22 +535,34 @@ def run_train_step() -> None:
   jtokens, jmask = jnp.asarray(tokens), jnp.asarray(mask)
   jax.block_until_ready(forward(model, jtokens, jmask))
   forward_s = best_time(lambda: forward(model, jtokens, jmask), ARGS.reps)
-  trainer = Learner(model, TrainStepConfig(
-      loss=GRPOLossConfig(kl_beta=ARGS.kl_beta),
-      optimizer=OptimizerConfig(learning_rate=1e-6)),
-      make_mesh("data:-1"))
-  start = time.perf_counter()
-  trainer.step(batch)
-  compile_s = time.perf_counter() - start
-  step_s = best_time(lambda: trainer.step(batch), ARGS.reps)
-  print(json.dumps({
+
+  def timed_step(share_prompts: bool) -> tuple[float, float]:
+    """(compile + first step s, best step s)."""
+    # A fresh copy: the learner's first step donates its weights' buffers.
+    trainer = Learner(Qwen3(config, rngs=nnx.Rngs(0)), TrainStepConfig(
+        loss=GRPOLossConfig(kl_beta=ARGS.kl_beta),
+        optimizer=OptimizerConfig(learning_rate=1e-6),
+        share_prompts=share_prompts), make_mesh("data:-1"))
+    start = time.perf_counter()
+    trainer.step(batch)
+    return (time.perf_counter() - start,
+            best_time(lambda: trainer.step(batch), ARGS.reps))
+
+  compile_s, step_s = timed_step(True)
+  line = {
       "scenario": "train_step", "model": ARGS.model, "layers": ARGS.layers,
-      "batch": b, "length": t, "kl_beta": ARGS.kl_beta,
-      "remat": ARGS.remat, "devices": len(jax.devices()),
+      "batch": b, "length": t, "prompt": prompt, "group": ARGS.group,
+      "kl_beta": ARGS.kl_beta, "remat": ARGS.remat,
+      "devices": len(jax.devices()),
       "train_step_over_forward": round(step_s / forward_s, 2),
       "train_step_s": round(step_s, 3), "forward_s": round(forward_s, 3),
       "train_tokens_per_s": round(b * t / step_s, 1),
-      "compile_s": round(compile_s, 1)}), flush=True)
+      "compile_s": round(compile_s, 1)}
+  if ARGS.group > 1:
+    whole_s = timed_step(False)[1]
+    line.update(whole_rows_step_s=round(whole_s, 3),
+                shared_prompt_speedup=round(whole_s / step_s, 2))
+  print(json.dumps(line), flush=True)
 
 
 # --- grpo_step ----------------------------------------------------------------
@@ -572,7 +602,8 @@ def _ours_grpo(model, tokenizer) -> dict:
       loss=GRPOLossConfig(kl_beta=ARGS.kl_beta, aggregation="token_mean"),
       optimizer=OptimizerConfig(learning_rate=ARGS.learning_rate,
                                 grad_clip_norm=1.0),
-      temperature=ARGS.temperature, logprob_chunk=ARGS.new_tokens), mesh)
+      temperature=ARGS.temperature, logprob_chunk=ARGS.new_tokens,
+      share_prompts=not ARGS.whole_rows), mesh)
   # No EOS: every row generates exactly `new_tokens` (as TRL's
   # min_new_tokens forces), so both sides do the same work.
   policy = ChatPolicy.jax(learner.model, tokenizer, 512, (64, 128, 256),
@@ -596,7 +627,7 @@ def _ours_grpo(model, tokenizer) -> dict:
     # of 8), as TRL pads only to the batch's longest prompt.
     batch = trim_common_padding(rollout_batch(out, advantages), 8)
     scored = time.perf_counter()
-    learner.step(batch)
+    metrics = learner.step(batch)
     policy.set_model(learner.model)
     done = time.perf_counter()
     if step:  # Step 0 compiles.
@@ -604,7 +635,8 @@ def _ours_grpo(model, tokenizer) -> dict:
                     "update_s": done - scored, "step_s": done - start,
                     "tokens": int(out.lengths.sum()),
                     "rows": int(len(rows)),
-                    "update_columns": int(batch["tokens"].shape[1])})
+                    "update_columns": int(batch["tokens"].shape[1]),
+                    "prompt_group": int(metrics["prompt_group"])})
   return _median_step(times)
 
 
@@ -851,7 +883,7 @@ def run_grpo_step() -> None:
       "layers": model.config.num_hidden_layers,
       "prompts": ARGS.prompts, "group": ARGS.group,
       "new_tokens": ARGS.new_tokens, "kl_beta": ARGS.kl_beta,
-      "devices": len(jax.devices()), "torch_threads": torch.get_num_threads()}
+      "whole_rows": ARGS.whole_rows, "devices": len(jax.devices()), "torch_threads": torch.get_num_threads()}
   for name, peer in results.items():
     line.update({
         f"vs_{name}": round(peer["step_s"] / ours["step_s"], 2),

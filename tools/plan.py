@@ -298,7 +298,8 @@ def main(argv=None) -> list[dict]:
                "old_logprobs": spec(jnp.float32, batch, length),
                "advantages": spec(jnp.float32, batch),
                "token_weights": spec(jnp.float32, batch, length)}
-    return step.lower(length - completion, a_params, a_opt, a_batch,
+    # Rows sharing no prompt (group 1): splash attention over whole rows.
+    return step.lower(length - completion, 1, a_params, a_opt, a_batch,
                       a_params if with_ref else None, None)
 
   cache_spec = NamedSharding(mesh, P(None, None, "tensor", BATCH_AXES, None))

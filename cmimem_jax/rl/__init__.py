@@ -4,8 +4,8 @@ train step (`Learner`), Orbax checkpoints and metrics. Imports only
 `models`, `parallel` and `sampling`."""
 
 from cmimem_jax.rl.advantages import group_advantages
-from cmimem_jax.rl.batch import (rollout_batch, supervised_batch,
-                                 trim_common_padding)
+from cmimem_jax.rl.batch import (rollout_batch, shared_prompt_group,
+                                 supervised_batch, trim_common_padding)
 from cmimem_jax.rl.checkpoint import (Checkpointer, Restored,
                                       load_model_weights)
 from cmimem_jax.rl.logprobs import (mean_continuation_logprobs,
@@ -24,5 +24,5 @@ __all__ = [
     "accumulated_grads", "group_advantages", "grpo_loss", "k3_kl",
     "load_model_weights", "make_optimizer", "mean_continuation_logprobs",
     "read_metrics", "recompute_logprobs", "rollout_batch",
-    "sft_loss", "supervised_batch", "token_logprobs", "trim_common_padding",
+    "shared_prompt_group", "sft_loss", "supervised_batch", "token_logprobs", "trim_common_padding",
 ]

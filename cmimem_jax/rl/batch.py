@@ -41,6 +41,29 @@ def trim_common_padding(batch: dict[str, np.ndarray], multiple: int
           for k, v in batch.items()}
 
 
+def shared_prompt_group(tokens: np.ndarray, mask: np.ndarray, start: int,
+                        groups_divisor: int = 1) -> int:
+  """Rows per shared prompt: the largest G such that every run of G
+  consecutive rows has the same tokens and mask before column `start` (the
+  G rollouts of one prompt, as `ChatPolicy.generate` lays them out) and the
+  B / G prompts split into `groups_divisor` equal parts (micro-batches x
+  data shards). 1 when no rows share a prompt.
+
+  Args:
+    tokens, mask: `[B, T]` host arrays of a training batch.
+    start: the first completion column.
+  """
+  rows = tokens.shape[0]
+  prompts = np.concatenate([tokens[:, :start], mask[:, :start]], axis=1)
+  # Where a row's prompt differs from the previous row's, a run ends.
+  changes = np.flatnonzero(np.any(prompts[1:] != prompts[:-1], axis=1)) + 1
+  runs = np.diff(np.concatenate([[0], changes, [rows]]))
+  shared = int(np.gcd.reduce(runs))
+  # Every divisor of `shared` splits every run, and so the rows, evenly.
+  return next((g for g in range(shared, 1, -1)
+               if shared % g == 0 and (rows // g) % groups_divisor == 0), 1)
+
+
 def rollout_batch(rollouts: SampleOutput, advantages: np.ndarray,
                   token_weights: np.ndarray | None = None,
                   constraint: TokenConstraint | None = None

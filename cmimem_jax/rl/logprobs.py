@@ -33,7 +33,7 @@ Constraint = tuple[jax.Array, jax.Array, jax.Array, int]
 def token_logprobs(model: Qwen3, tokens: jax.Array, mask: jax.Array, *,
                    temperature: float = 1.0, chunk: int = 256,
                    start: int = 1, mesh: Mesh | None = None,
-                   constraint: Constraint | None = None
+                   constraint: Constraint | None = None, group: int = 1
                    ) -> tuple[jax.Array, jax.Array]:
   """Log-prob and entropy of each token given the tokens before it.
 
@@ -50,6 +50,11 @@ def token_logprobs(model: Qwen3, tokens: jax.Array, mask: jax.Array, *,
     constraint: grammar-constrained decoding's mask (`Constraint`): the
       log-probs and entropy are then under the masked distribution, as the
       constrained sampler records them.
+    group: rows per shared prompt: when > 1, every run of `group`
+      consecutive rows has the same `tokens` / `mask` before `start` (the
+      G rollouts of one prompt, the caller's promise), and the prompt
+      runs through the model once per group
+      (`Qwen3.shared_prompt_hidden_states`; same numbers, less work).
 
   Returns:
     `(logprobs [B, T], entropy [B, T])` float32; columns before `start`
@@ -60,10 +65,22 @@ def token_logprobs(model: Qwen3, tokens: jax.Array, mask: jax.Array, *,
   if not 1 <= start < tokens.shape[1]:
     raise ValueError(f"start must be in [1, {tokens.shape[1]}), got {start}")
   scale = 1.0 / (temperature or 1.0)
+  if group < 1 or tokens.shape[0] % group:
+    raise ValueError(f"{tokens.shape[0]} rows do not form groups of {group}")
   tokens = constrain(tokens, mesh, "tokens")
-  hidden, _ = model.hidden_states(tokens, positions_from_mask(mask), mask)
+  positions = positions_from_mask(mask)
   # Position t - 1 predicts token t, for t = start .. T-1.
-  hidden = constrain(hidden, mesh, "hidden")[:, start - 1:-1]
+  if group == 1:
+    hidden, _ = model.hidden_states(tokens, positions, mask)
+    hidden = constrain(hidden, mesh, "hidden")[:, start - 1:-1]
+  else:
+    first_of_group = lambda x: x[::group, :start]  # noqa: E731
+    prompt_hidden, hidden = model.shared_prompt_hidden_states(
+        first_of_group(tokens), first_of_group(mask), tokens[:, start:],
+        positions[:, start:], mask[:, start:])
+    last_prompt = jnp.repeat(prompt_hidden[:, -1:], group, axis=0)
+    hidden = jnp.concatenate([last_prompt, hidden[:, :-1]], axis=1)
+    hidden = constrain(hidden, mesh, "hidden")
   targets = tokens[:, start:]
   b, t = targets.shape
   chunk = max(1, min(chunk, t))

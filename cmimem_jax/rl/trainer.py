@@ -30,6 +30,7 @@ from cmimem_jax.parallel.mesh import BATCH_AXES, batch_divisor
 from cmimem_jax.parallel.partition import (QWEN3_RULES, Rules,
                                            optimizer_shardings,
                                            param_shardings, place_batch)
+from cmimem_jax.rl.batch import shared_prompt_group
 from cmimem_jax.rl.logprobs import token_logprobs
 from cmimem_jax.rl.losses import GRPOLossConfig, Objective, aggregation_scale
 
@@ -73,6 +74,12 @@ class TrainStepConfig:
   # with this EOS id): log-probs are then taken under the sampler's mask,
   # from the batch's `constraint_states` / `constraint_budgets`.
   constraint_eos_id: int | None = None
+  # Run each prompt through the model once for the rollouts that continue
+  # it (`Qwen3.shared_prompt_hidden_states`) when a batch's consecutive
+  # rows share their prompt columns (`shared_prompt_group`). Exact; less
+  # work the longer the prompts. Its attention over the prompt is XLA's
+  # (a `[T, Tp]` score block per row and head), not splash / cuDNN.
+  share_prompts: bool = True
 
   @property
   def batch_keys(self) -> tuple[str, ...]:
@@ -82,10 +89,13 @@ class TrainStepConfig:
     return self.loss.batch_keys + extra
 
 
-def _micro(x: jax.Array, k: int, mesh: Mesh) -> jax.Array:
-  """`[B, ...]` -> `[k, B/k, ...]`, micro-batch i = rows i, i+k, …: every
-  device keeps its own rows in every micro-batch (no resharding)."""
-  x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+def _micro(x: jax.Array, k: int, mesh: Mesh, group: int = 1) -> jax.Array:
+  """`[B, ...]` -> `[k, B/k, ...]`, micro-batch i = groups of `group`
+  consecutive rows i, i+k, …: a group stays whole, and every device keeps
+  its own rows in every micro-batch (no resharding)."""
+  rest = x.shape[1:]
+  x = x.reshape(x.shape[0] // (k * group), k, group, *rest).swapaxes(0, 1)
+  x = x.reshape(k, -1, *rest)
   spec = P(None, BATCH_AXES, *([None] * (x.ndim - 2)))
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
@@ -93,20 +103,21 @@ def _micro(x: jax.Array, k: int, mesh: Mesh) -> jax.Array:
 def accumulated_grads(graphdef: nnx.GraphDef, config: TrainStepConfig,
                       mesh: Mesh, params: Any, batch: dict[str, jax.Array],
                       ref_params: Any | None, start: int = 1,
-                      min_budget: jax.Array | None = None
+                      min_budget: jax.Array | None = None, group: int = 1
                       ) -> tuple[Any, dict[str, jax.Array]]:
   """Gradient of the global-batch loss (`config.loss`), summed over
   `config.micro_batches` scanned micro-batches, and the loss statistics.
   `start`: first column any row's `loss_mask` covers (static).
   `min_budget`: the constraint's `[S, V]` table when
-  `config.constraint_eos_id` is set."""
+  `config.constraint_eos_id` is set. `group` (static): rows per shared
+  prompt (`shared_prompt_group`; 1: none shared)."""
   k = config.micro_batches
   num_tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
   # Each token's share of the global batch's mean, fixed before the split
   # so the micro-batch sums add up to the full-batch loss.
   batch = dict(batch, token_scale=aggregation_scale(batch["loss_mask"],
                                                     config.loss.aggregation))
-  micro = {name: _micro(x, k, mesh) for name, x in batch.items()}
+  micro = {name: _micro(x, k, mesh, group) for name, x in batch.items()}
 
   def logprobs_of(p, mb):
     constraint = None
@@ -116,7 +127,7 @@ def accumulated_grads(graphdef: nnx.GraphDef, config: TrainStepConfig,
     return token_logprobs(nnx.merge(graphdef, p), mb["tokens"], mb["mask"],
                           temperature=config.temperature,
                           chunk=config.logprob_chunk, start=start, mesh=mesh,
-                          constraint=constraint)
+                          constraint=constraint, group=group)
 
   def loss_fn(p, mb):
     logprobs, entropy = logprobs_of(p, mb)
@@ -143,10 +154,11 @@ def accumulated_grads(graphdef: nnx.GraphDef, config: TrainStepConfig,
 
 def _train_step(graphdef: nnx.GraphDef, config: TrainStepConfig, mesh: Mesh,
                 optimizer: optax.GradientTransformation, start: int,
-                params: Any, opt_state: Any, batch: dict[str, jax.Array],
-                ref_params: Any | None, min_budget: jax.Array | None):
+                group: int, params: Any, opt_state: Any,
+                batch: dict[str, jax.Array], ref_params: Any | None,
+                min_budget: jax.Array | None):
   grads, stats = accumulated_grads(graphdef, config, mesh, params, batch,
-                                   ref_params, start, min_budget)
+                                   ref_params, start, min_budget, group)
   updates, new_opt_state = optimizer.update(grads, opt_state, params)
   grad_norm = optax.tree.norm(grads)
   new_params = optax.apply_updates(params, updates)
@@ -174,15 +186,16 @@ def jit_train_step(graphdef: nnx.GraphDef, config: TrainStepConfig,
                    with_reference: bool):
   """The train step under `jax.jit` with explicit shardings and donated
   params / optimizer state:
-  `(start, params, opt_state, batch, ref_params, min_budget) -> (params,
-  opt_state, stats)`, `start` static (the first completion column)."""
+  `(start, group, params, opt_state, batch, ref_params, min_budget) ->
+  (params, opt_state, stats)`, `start` (the first completion column) and
+  `group` (rows per shared prompt, `shared_prompt_group`) static."""
   replicated = NamedSharding(mesh, P())
   return jax.jit(
       functools.partial(_train_step, graphdef, config, mesh, optimizer),
       in_shardings=(param_shardings, opt_shardings, None,
                     param_shardings if with_reference else None, replicated),
       out_shardings=(param_shardings, opt_shardings, replicated),
-      static_argnums=(0,), donate_argnums=(1, 2))
+      static_argnums=(0, 1), donate_argnums=(2, 3))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,11 +311,17 @@ class Learner:
     # step per prompt bucket).
     covered = np.flatnonzero(np.asarray(batch["loss_mask"]).any(axis=0))
     first_column = max(int(covered[0]) if covered.size else 1, 1)
+    group = 1
+    if self.config.share_prompts:
+      group = shared_prompt_group(
+          np.asarray(batch["tokens"]), np.asarray(batch["mask"]),
+          first_column,
+          self.config.micro_batches * batch_divisor(self.mesh))
     # The mesh in context: the splash attention kernel shards itself over
     # it (`models.attention`).
     with jax.set_mesh(self.mesh):
       self.params, self.opt_state, stats = self._step(
-          first_column, self.params, self.opt_state, placed,
+          first_column, group, self.params, self.opt_state, placed,
           self.ref_params if self.config.loss.uses_reference else None,
           self.min_budget)
     metrics = {k: float(v) for k, v in jax.device_get(stats).items()}
@@ -312,6 +331,7 @@ class Learner:
                       "skipped (%d so far)", metrics["loss"],
                       metrics["grad_norm"], self.skipped_updates)
     metrics["skipped_updates_total"] = float(self.skipped_updates)
+    metrics["prompt_group"] = float(group)
     seconds = time.perf_counter() - start
     metrics.update(step_time_s=seconds,
                    tokens_per_s=float(np.sum(batch["mask"])) / seconds)

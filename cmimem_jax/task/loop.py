@@ -104,6 +104,7 @@ def _check_training(c) -> None:
       finite_number(w, 0.0) for w in v), "three finite weights >= 0")
   c.check("rl.micro_batches", lambda v: isinstance(v, int) and v > 0,
           "a positive integer")
+  c.check("rl.share_prompts", lambda v: isinstance(v, bool), "True or False")
   c.check("rl.curriculum_tiers", lambda v: isinstance(v, int) and v > 0,
           "a positive integer")
   c.check("rl.snapshots", lambda v: v == "policy" or (
@@ -237,7 +238,7 @@ class Trainer:
             weight_decay=rl.weight_decay, grad_clip_norm=rl.grad_clip_norm),
         micro_batches=rl.micro_batches,
         temperature=config.rollout.temperature,
-        logprob_chunk=rl.logprob_chunk,
+        logprob_chunk=rl.logprob_chunk, share_prompts=rl.share_prompts,
         constraint_eos_id=(None if self.constraint is None
                            else self.constraint.eos_id)),
                            self.mesh, min_budget=min_budget,

@@ -133,3 +133,54 @@ def test_compare_reference_tool(tmp_path, capsys):
                                    "--attention_impl=splash"])
   assert result["attention_impl"] == "splash"
   assert result["max_abs_diff"] < 1e-4 and result["argmax_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_shared_prompt_hidden_states_equal_the_concatenated_rows(remat):
+  """Two prompts (left-padded, lengths 7 and 3) continued by 3 rows each
+  (right-padded, one empty): computing each prompt once gives the hidden
+  states, and the gradients, of running the 6 whole rows."""
+  model = Qwen3(preset("tiny", vocab_size=64, remat=remat), rngs=nnx.Rngs(0))
+  prompts, prompt_mask = left_padded_batch(64, [7, 3], 8)
+  rng = np.random.default_rng(1)
+  group, width = 3, 5
+  lengths = np.array([5, 2, 0, 4, 5, 1])
+  continuation_mask = (np.arange(width)[None] < lengths[:, None]).astype(
+      np.int32)
+  continuations = rng.integers(1, 64, (6, width)).astype(
+      np.int32) * continuation_mask
+  tokens = np.concatenate([np.repeat(prompts, group, 0), continuations], 1)
+  mask = np.concatenate([np.repeat(prompt_mask, group, 0),
+                         continuation_mask], 1)
+  positions = positions_from_mask(mask)
+  real = continuation_mask.astype(bool)
+
+  def whole_rows(m):
+    hidden, _ = m.hidden_states(tokens, positions, mask)
+    return hidden[::group, :8], hidden[:, 8:]
+
+  def shared(m):
+    return m.shared_prompt_hidden_states(prompts, prompt_mask, continuations,
+                                         positions[:, 8:], continuation_mask)
+
+  (want_prompt, want), (got_prompt, got) = whole_rows(model), shared(model)
+  prompt_real = prompt_mask.astype(bool)
+  np.testing.assert_allclose(np.asarray(got_prompt)[prompt_real],
+                             np.asarray(want_prompt)[prompt_real], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real],
+                             atol=1e-5)
+
+  def loss(m, forward):
+    prompt_hidden, hidden = forward(m)
+    return (jnp.sum(jnp.where(real[..., None], jnp.sin(hidden), 0.0))
+            + jnp.sum(prompt_hidden[:, -1] ** 2))
+
+  want_grads = nnx.grad(lambda m: loss(m, whole_rows))(model)
+  got_grads = nnx.grad(lambda m: loss(m, shared))(model)
+  for x, y in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4,
+                               atol=1e-4 * float(np.abs(y).max()))
+  with pytest.raises(ValueError, match="equal groups"):
+    model.shared_prompt_hidden_states(prompts, prompt_mask,
+                                      continuations[:5], positions[:5, 8:],
+                                      continuation_mask[:5])

@@ -1,6 +1,7 @@
 """The sharded GRPO train step: accumulation, 1 vs 8 devices, learning,
 checkpoint resume."""
 
+import dataclasses
 import functools
 import glob
 import math
@@ -19,7 +20,7 @@ from cmimem_jax.rl import (Checkpointer, GRPOLossConfig, Learner,
                            MetricsWriter, OptimizerConfig, SFTLossConfig,
                            TrainStepConfig, accumulated_grads,
                            group_advantages, read_metrics, rollout_batch,
-                           supervised_batch, token_logprobs,
+                           shared_prompt_group, supervised_batch, token_logprobs,
                            trim_common_padding)
 from cmimem_jax.sampling import Sampler, SamplingConfig
 
@@ -153,24 +154,79 @@ def test_trimming_common_padding_leaves_the_step_unchanged():
     np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def shared_prompt_batch(step: int, prompts: int = 2, group: int = 4
+                        ) -> dict[str, np.ndarray]:
+  """`synthetic_batch` whose rows come in groups of `group` sharing their
+  prompt columns (the first 6), as a sampler's rollouts do."""
+  batch = synthetic_batch(step, rows=prompts * group)
+  for key in ("tokens", "mask"):
+    batch[key][:, :6] = np.repeat(batch[key][::group, :6], group, axis=0)
+  return batch
+
+
+def test_shared_prompt_group_finds_runs_that_fit_the_split():
+  batch = shared_prompt_batch(0, prompts=4, group=4)
+  tokens, mask = batch["tokens"], batch["mask"]
+  assert shared_prompt_group(tokens, mask, 6) == 4
+  # 4 prompts over 8 micro-batch x shard parts: groups of 2 give 8.
+  assert shared_prompt_group(tokens, mask, 6, groups_divisor=8) == 2
+  assert shared_prompt_group(tokens, mask, 6, groups_divisor=32) == 1
+  # The first two prompts equal: runs of 8, 4, 4 share groups of 4.
+  same = tokens.copy()
+  same[4:8, :6] = same[0, :6]
+  assert shared_prompt_group(same, mask, 6) == 4
+  # A row that differs in its prompt's mask alone breaks its run.
+  broken = mask.copy()
+  broken[1, 0] = 1 - broken[1, 0]
+  assert shared_prompt_group(tokens, broken, 6) == 1
+  assert shared_prompt_group(synthetic_batch(0)["tokens"],
+                             synthetic_batch(0)["mask"], 6) == 1
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_rows_sharing_a_prompt_take_the_same_step_computing_it_once(
+    micro_batches):
+  """Groups of 4 rows with one prompt each: the step that runs each prompt
+  once (`share_prompts`) gives the loss, statistics and update of the
+  step over whole rows."""
+  batch = shared_prompt_batch(5)
+  results = {}
+  for share in (True, False):
+    step_config = dataclasses.replace(config(micro_batches, lr=4e-6),
+                                      share_prompts=share)
+    learner = Learner(tiny_model(), step_config, one_device_mesh())
+    results[share] = (learner.step(batch), jax.device_get(learner.params))
+  (shared, shared_params), (whole, whole_params) = results[True], results[False]
+  assert shared["prompt_group"] == 4 and whole["prompt_group"] == 1
+  for key in ("loss", "pg_loss", "kl", "grad_norm", "entropy", "ratio_mean"):
+    np.testing.assert_allclose(shared[key], whole[key], rtol=1e-5, atol=1e-7)
+  for a, b in zip(jax.tree.leaves(shared_params), jax.tree.leaves(whole_params)):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 def test_same_step_on_one_and_eight_devices():
   if len(jax.devices()) < 8:
     pytest.skip("needs the 8 fake CPU devices set up in conftest")
   # lr small enough that Adam's ~lr-sized sign-like first update cannot
   # amplify float32 reduction-order noise beyond the 1e-5 tolerance.
-  results = {}
-  for name, mesh in (("one", one_device_mesh()),
-                     ("eight", make_mesh("fsdp:4,tensor:2"))):
-    trainer = Learner(tiny_model(), config(micro_batches=2, lr=4e-6), mesh)
-    metrics = trainer.step(synthetic_batch(2))
-    results[name] = (metrics, jax.device_get(trainer.params), trainer)
-  one, eight = results["one"], results["eight"]
-  for key in ("loss", "pg_loss", "kl", "grad_norm", "entropy",
-              "clip_low_frac"):
-    np.testing.assert_allclose(one[0][key], eight[0][key], rtol=1e-5,
-                               atol=1e-6)
-  for a, b in zip(jax.tree.leaves(one[1]), jax.tree.leaves(eight[1])):
-    np.testing.assert_allclose(a, b, atol=1e-5)
+  # Rows of their own prompts, and 8 prompts of 2 rows each (each prompt
+  # run once: the groups stay whole across micro-batches and shards).
+  for batch in (synthetic_batch(2), shared_prompt_batch(2, 8, 2)):
+    results = {}
+    for name, mesh in (("one", one_device_mesh()),
+                       ("eight", make_mesh("fsdp:4,tensor:2"))):
+      trainer = Learner(tiny_model(), config(micro_batches=2, lr=4e-6), mesh)
+      metrics = trainer.step(batch)
+      results[name] = (metrics, jax.device_get(trainer.params), trainer)
+    one, eight = results["one"], results["eight"]
+    assert one[0]["prompt_group"] == eight[0]["prompt_group"]
+    for key in ("loss", "pg_loss", "kl", "grad_norm", "entropy",
+                "clip_low_frac"):
+      np.testing.assert_allclose(one[0][key], eight[0][key], rtol=1e-5,
+                                 atol=1e-6)
+    for a, b in zip(jax.tree.leaves(one[1]), jax.tree.leaves(eight[1])):
+      np.testing.assert_allclose(a, b, atol=1e-5)
+  assert one[0]["prompt_group"] == 2
   trainer = eight[2]
   q_proj = trainer.params["layers"]["q_proj"]
   assert q_proj.sharding.spec == P(None, "fsdp", "tensor")

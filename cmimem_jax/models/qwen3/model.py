@@ -301,6 +301,40 @@ def head_major(buffer: jax.Array) -> jax.Array:
   return buffer.transpose(2, 1, 0, 3)
 
 
+def _project_qkv(config: Qwen3Config, p: dict[str, jax.Array], x: jax.Array,
+                 cos: jax.Array, sin: jax.Array
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A block's attention inputs: x `[B, T, H]` -> q `[B, T, heads, D]`, k / v
+  `[B, T, kv_heads, D]` (pre-norm, projections, q/k norm, RoPE)."""
+  c, dt = config, config.compute_dtype
+  b, t, _ = x.shape
+  w = lambda name: p[name].astype(dt)  # noqa: E731
+  h = rms_norm(x, p["input_norm"], c.rms_norm_eps)
+  q, k, v = h @ w("q_proj"), h @ w("k_proj"), h @ w("v_proj")
+  if c.attention_bias:
+    q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
+  q = q.reshape(b, t, c.num_attention_heads, c.head_dim)
+  k = k.reshape(b, t, c.num_key_value_heads, c.head_dim)
+  v = v.reshape(b, t, c.num_key_value_heads, c.head_dim)
+  if c.qk_norm:
+    q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
+    k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+  return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _finish_block(config: Qwen3Config, p: dict[str, jax.Array], x: jax.Array,
+                  attn: jax.Array) -> jax.Array:
+  """The rest of a block after attention: x `[B, T, H]`, attn `[B, T, heads,
+  D]` -> output projection + residual, then the SwiGLU MLP + residual."""
+  c, dt = config, config.compute_dtype
+  w = lambda name: p[name].astype(dt)  # noqa: E731
+  b, t, _ = x.shape
+  x = x + attn.reshape(b, t, -1) @ w("o_proj")
+  h = rms_norm(x, p["post_attention_norm"], c.rms_norm_eps)
+  return x + (jax.nn.silu(h @ w("gate_proj")) * (h @ w("up_proj"))) @ w(
+      "down_proj")
+
+
 def _layer(config: Qwen3Config, p: dict[str, jax.Array], x: jax.Array,
            cos: jax.Array, sin: jax.Array, mask: jax.Array | None,
            segments: jax.Array,
@@ -315,20 +349,8 @@ def _layer(config: Qwen3Config, p: dict[str, jax.Array], x: jax.Array,
   `[S, KV, B, D]` buffers (layer None), or the `[L, S, KV, B, D]` stacks
   and this layer's index, written in place (one token per step, not a
   copy of the layer's cache). Returns (x, (keys, values) written)."""
-  c, dt = config, config.compute_dtype
-  b, t, _ = x.shape
-  w = lambda name: p[name].astype(dt)  # noqa: E731
-  h = rms_norm(x, p["input_norm"], c.rms_norm_eps)
-  q, k, v = h @ w("q_proj"), h @ w("k_proj"), h @ w("v_proj")
-  if c.attention_bias:
-    q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
-  q = q.reshape(b, t, c.num_attention_heads, c.head_dim)
-  k = k.reshape(b, t, c.num_key_value_heads, c.head_dim)
-  v = v.reshape(b, t, c.num_key_value_heads, c.head_dim)
-  if c.qk_norm:
-    q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
-    k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
-  q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  c = config
+  q, k, v = _project_qkv(c, p, x, cos, sin)
   written, attended = None, None
   if cache_kv is not None:
     *buffers, layer = cache_kv
@@ -354,11 +376,7 @@ def _layer(config: Qwen3Config, p: dict[str, jax.Array], x: jax.Array,
                                    *attended, mask)
   else:
     attn = cached_attention(q, *attended, mask, c.attention_impl)
-  x = x + attn.reshape(b, t, -1) @ w("o_proj")
-  h = rms_norm(x, p["post_attention_norm"], c.rms_norm_eps)
-  x = x + (jax.nn.silu(h @ w("gate_proj")) * (h @ w("up_proj"))) @ w(
-      "down_proj")
-  return x, written
+  return _finish_block(c, p, x, attn), written
 
 
 class Qwen3(nnx.Module):
@@ -443,11 +461,7 @@ class Qwen3(nnx.Module):
       return _layer(c, p, x, cos, sin, mask, segments, kv,
                     None if cache is None else cache_index, shared)
 
-    if c.remat != "none":
-      policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-                if c.remat == "dots" else None)
-      layer = jax.checkpoint(layer, policy=policy)
-
+    layer = _rematerialised(c, layer)
     if layers is not None:
       if cache is None or not isinstance(cache.keys, tuple):
         raise ValueError("the unrolled layer loop takes a per-layer cache "
@@ -480,6 +494,70 @@ class Qwen3(nnx.Module):
       new_cache = KVCache(keys, values, valid)
     return rms_norm(x, self.final_norm[...], c.rms_norm_eps), new_cache
 
+  def shared_prompt_hidden_states(
+      self, prompt_tokens: jax.Array, prompt_mask: jax.Array,
+      tokens: jax.Array, positions: jax.Array, mask: jax.Array
+  ) -> tuple[jax.Array, jax.Array]:
+    """Final-norm hidden states of P prompts and of the B rows continuing
+    them, each prompt computed once (row b continues prompt `b // (B / P)`:
+    the G rollouts of one prompt).
+
+    The training-time counterpart of decoding with `prefix`: a row's tokens
+    attend to its prompt's valid tokens and causally to its own, which is
+    the attention the row `[prompt; tokens]` gets in `hidden_states`, so
+    the hidden states are the same, at `P·Tp + B·T` token columns of work
+    instead of `B·(Tp + T)` (and the gradient reaches the prompt's keys
+    and values once per group, summed over its rows).
+
+    Args:
+      prompt_tokens / prompt_mask: `[P, Tp]` (left-padded).
+      tokens / mask: `[B, T]` the continuations (right-padded), B a
+        multiple of P.
+      positions: `[B, T]` their RoPE positions (continuing the prompts').
+
+    Returns:
+      `(prompt hidden [P, Tp, H], hidden [B, T, H])`.
+    """
+    c = self.config
+    if tokens.shape[0] % prompt_tokens.shape[0]:
+      raise ValueError(f"{tokens.shape[0]} rows do not continue "
+                       f"{prompt_tokens.shape[0]} prompts in equal groups")
+    embed = self.embed[...]
+    prompt_x = jnp.take(embed, prompt_tokens, axis=0).astype(c.compute_dtype)
+    x = jnp.take(embed, tokens, axis=0).astype(c.compute_dtype)
+    prompt_rope = rope_tables(positions_from_mask(prompt_mask), c.head_dim,
+                              c.rope_theta)
+    rope = rope_tables(positions, c.head_dim, c.rope_theta)
+    b, t = tokens.shape
+    group = b // prompt_tokens.shape[0]
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+    # Row b's queries see its prompt's valid keys, then its own causally.
+    visible = jnp.concatenate([
+        jnp.repeat(prompt_mask.astype(bool), group, axis=0)[:, None, :]
+        .repeat(t, axis=1),
+        causal[None] & mask.astype(bool)[:, None, :]], axis=2)
+    # [B, KV, Tp + T, D]: each row's prompt keys (a broadcast: the
+    # gradient of the copies sums into the one prompt), then its own.
+    row_keys = lambda prompt, own: jnp.concatenate(  # noqa: E731
+        [jnp.repeat(prompt, group, axis=0), own], axis=1).transpose(0, 2, 1, 3)
+
+    def layer(carry, p):
+      prompt_x, x = carry
+      pq, pk, pv = _project_qkv(c, p, prompt_x, *prompt_rope)
+      q, k, v = _project_qkv(c, p, x, *rope)
+      prompt_attn = causal_self_attention(pq, pk, pv,
+                                          prompt_mask.astype(jnp.int32),
+                                          c.attention_impl)
+      attn = cached_attention(q, row_keys(pk, k), row_keys(pv, v), visible,
+                              c.attention_impl)
+      return (_finish_block(c, p, prompt_x, prompt_attn),
+              _finish_block(c, p, x, attn)), None
+
+    (prompt_x, x), _ = jax.lax.scan(_rematerialised(c, layer), (prompt_x, x),
+                                    self._stacked())
+    norm = lambda h: rms_norm(h, self.final_norm[...], c.rms_norm_eps)  # noqa: E731
+    return norm(prompt_x), norm(x)
+
   def logits(self, hidden: jax.Array) -> jax.Array:
     """float32 `[..., V]` logits from hidden states."""
     hidden = hidden.astype(jnp.float32)
@@ -504,6 +582,15 @@ class Qwen3(nnx.Module):
     hidden, cache = self.hidden_states(tokens, positions, attention_mask,
                                        cache, cache_index, layers, prefix)
     return self.logits(hidden), cache
+
+
+def _rematerialised(config: Qwen3Config, layer):
+  """`layer` under the config's rematerialisation policy."""
+  if config.remat == "none":
+    return layer
+  policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            if config.remat == "dots" else None)
+  return jax.checkpoint(layer, policy=policy)
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
