@@ -172,9 +172,9 @@ def test_shared_prompt_group_finds_runs_that_fit_the_split():
   assert shared_prompt_group(tokens, mask, 6, groups_divisor=8) == 2
   assert shared_prompt_group(tokens, mask, 6, groups_divisor=32) == 1
   # The first two prompts equal: runs of 8, 4, 4 share groups of 4.
-  same = tokens.copy()
-  same[4:8, :6] = same[0, :6]
-  assert shared_prompt_group(same, mask, 6) == 4
+  same, same_mask = tokens.copy(), mask.copy()
+  same[4:8, :6], same_mask[4:8, :6] = same[0, :6], same_mask[0, :6]
+  assert shared_prompt_group(same, same_mask, 6) == 4
   # A row that differs in its prompt's mask alone breaks its run.
   broken = mask.copy()
   broken[1, 0] = 1 - broken[1, 0]
