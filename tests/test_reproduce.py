@@ -271,9 +271,12 @@ def test_report_is_written_from_what_has_been_evaluated(tmp_path,
          "validity_rate": 1.0, "response_tokens_mean": 40.0,
          "reward_group_std": 0.1}) + "\n" for s in (1, 2)))
   (tmp_path / "stages.json").write_text(json.dumps({"eval_initial": 9.5}))
+  command = ("python tools/reproduce.py --config=configs/small_repro.py "
+             "--config.sft.trim_retrieved=True --stages=report")
   text = reproduce.reproduce(small_repro.get_config(), str(tmp_path),
-                             ["report"])
+                             ["report"], command=command)
   assert (tmp_path / "RESULTS.md").read_text() == text
+  assert f"`{command}`" in text  # The overrides say what ran.
   assert ("| warm_start − initial | context_recall | 2 | 0.500 | 0.000 | "
           "+0.500 [") in text
   assert "| measure | CMI+QA | QA only |" in text

@@ -39,6 +39,7 @@ import copy
 import functools
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -523,11 +524,14 @@ def _eval_config(config, init_checkpoint: str, checkpoint_step: int,
 
 
 def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
-              pool: Sequence[str] = (), reuse: str = "") -> str | None:
+              pool: Sequence[str] = (), reuse: str = "",
+              command: str = "") -> str | None:
   """Runs (or resumes) `stages`; returns RESULTS.md's text when `report`
   is one of them (pooling the evaluations of the workdirs in `pool`,
   the same recipe with other seeds). `reuse`: a workdir whose finished
-  seed-independent stages (`REUSABLE`) this one takes over."""
+  seed-independent stages (`REUSABLE`) this one takes over. `command`:
+  the command line, quoted in the report (its config overrides say
+  what ran)."""
   os.makedirs(workdir, exist_ok=True)
   record = StageRecord(workdir)
   if reuse:
@@ -580,7 +584,7 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
   for stage in stages:
     if stage == "report":
       text = report(workdir, teachers, held_out, record.done, eval_dirs,
-                    model_dirs, period, pool)
+                    model_dirs, period, pool, command)
       with open(os.path.join(workdir, "RESULTS.md"), "w") as f:
         f.write(text)
       continue
@@ -608,10 +612,11 @@ def _run_metrics(directory: str) -> list[dict]:
 
 def report(workdir: str, teachers, held_out, wall: dict[str, float],
            eval_dirs: dict[str, str], model_dirs: dict[str, str],
-           period: int, pool: Sequence[str] = ()) -> str:
+           period: int, pool: Sequence[str] = (), command: str = "") -> str:
   """RESULTS.md's text (and the plots) from what has been run so far;
   `model_dirs`: policy -> its run directory; `pool`: workdirs of the
-  same recipe run with other seeds, pooled with this one."""
+  same recipe run with other seeds, pooled with this one; `command`: the
+  invocation writing it (default: the bare recipe)."""
   results, banks = {}, {}
   for policy, directory in eval_dirs.items():
     path = os.path.join(directory, "results.json")
@@ -634,8 +639,10 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
   data = os.path.join(workdir, "sft_data.jsonl")
   lines = [
       "# Small reproduction (configs/small_repro.py)", "",
-      "Command: `python tools/reproduce.py --config=configs/small_repro.py "
-      f"--workdir={workdir}`", "",
+      ("Command (the invocation that wrote this report): "
+       f"`{command}`" if command else
+       "Command: `python tools/reproduce.py --config=configs/small_repro.py "
+       f"--workdir={workdir}`"), "",
       "## Split", "",
       f"- warm start (LoCoMo annotations as teacher): "
       f"{', '.join(d.dialogue_id for d in teachers)} "
@@ -699,7 +706,8 @@ def main(argv: list[str]) -> None:
                          f"(no stages.json): {', '.join(missing)}")
   text = reproduce(flags.FLAGS.config, flags.FLAGS.workdir,
                    parse_stages(flags.FLAGS.stages), flags.FLAGS.pool,
-                   flags.FLAGS.reuse)
+                   flags.FLAGS.reuse,
+                   shlex.join(["python", "tools/reproduce.py", *sys.argv[1:]]))
   if text is not None:
     print(text)
 
