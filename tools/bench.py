@@ -883,7 +883,8 @@ def run_grpo_step() -> None:
       "layers": model.config.num_hidden_layers,
       "prompts": ARGS.prompts, "group": ARGS.group,
       "new_tokens": ARGS.new_tokens, "kl_beta": ARGS.kl_beta,
-      "whole_rows": ARGS.whole_rows, "devices": len(jax.devices()), "torch_threads": torch.get_num_threads()}
+      "whole_rows": ARGS.whole_rows, "devices": len(jax.devices()),
+      "torch_threads": torch.get_num_threads()}
   for name, peer in results.items():
     line.update({
         f"vs_{name}": round(peer["step_s"] / ours["step_s"], 2),

@@ -24,5 +24,6 @@ __all__ = [
     "accumulated_grads", "group_advantages", "grpo_loss", "k3_kl",
     "load_model_weights", "make_optimizer", "mean_continuation_logprobs",
     "read_metrics", "recompute_logprobs", "rollout_batch",
-    "shared_prompt_group", "sft_loss", "supervised_batch", "token_logprobs", "trim_common_padding",
+    "shared_prompt_group", "sft_loss", "supervised_batch", "token_logprobs",
+    "trim_common_padding",
 ]

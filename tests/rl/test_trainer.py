@@ -20,8 +20,8 @@ from cmimem_jax.rl import (Checkpointer, GRPOLossConfig, Learner,
                            MetricsWriter, OptimizerConfig, SFTLossConfig,
                            TrainStepConfig, accumulated_grads,
                            group_advantages, read_metrics, rollout_batch,
-                           shared_prompt_group, supervised_batch, token_logprobs,
-                           trim_common_padding)
+                           shared_prompt_group, supervised_batch,
+                           token_logprobs, trim_common_padding)
 from cmimem_jax.sampling import Sampler, SamplingConfig
 
 VOCAB = 64
@@ -200,7 +200,8 @@ def test_rows_sharing_a_prompt_take_the_same_step_computing_it_once(
   assert shared["prompt_group"] == 4 and whole["prompt_group"] == 1
   for key in ("loss", "pg_loss", "kl", "grad_norm", "entropy", "ratio_mean"):
     np.testing.assert_allclose(shared[key], whole[key], rtol=1e-5, atol=1e-7)
-  for a, b in zip(jax.tree.leaves(shared_params), jax.tree.leaves(whole_params)):
+  for a, b in zip(jax.tree.leaves(shared_params),
+                  jax.tree.leaves(whole_params)):
     np.testing.assert_allclose(a, b, atol=1e-5)
 
 

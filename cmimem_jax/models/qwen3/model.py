@@ -532,9 +532,10 @@ class Qwen3(nnx.Module):
     group = b // prompt_tokens.shape[0]
     causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
     # Row b's queries see its prompt's valid keys, then its own causally.
+    prompt_visible = jnp.repeat(prompt_mask.astype(bool), group, axis=0)
     visible = jnp.concatenate([
-        jnp.repeat(prompt_mask.astype(bool), group, axis=0)[:, None, :]
-        .repeat(t, axis=1),
+        jnp.broadcast_to(prompt_visible[:, None, :],
+                         (b, t, prompt_visible.shape[1])),
         causal[None] & mask.astype(bool)[:, None, :]], axis=2)
     # [B, KV, Tp + T, D]: each row's prompt keys (a broadcast: the
     # gradient of the copies sums into the one prompt), then its own.
@@ -555,8 +556,9 @@ class Qwen3(nnx.Module):
 
     (prompt_x, x), _ = jax.lax.scan(_rematerialised(c, layer), (prompt_x, x),
                                     self._stacked())
-    norm = lambda h: rms_norm(h, self.final_norm[...], c.rms_norm_eps)  # noqa: E731
-    return norm(prompt_x), norm(x)
+    final = self.final_norm[...]
+    return (rms_norm(prompt_x, final, c.rms_norm_eps),
+            rms_norm(x, final, c.rms_norm_eps))
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """float32 `[..., V]` logits from hidden states."""
