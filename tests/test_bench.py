@@ -46,10 +46,12 @@ def test_model_scenarios_agree_with_transformers():
     assert _positive(row["speedup_vs_transformers"])
     assert _positive(row["ours_tokens_per_s"])
   (step,) = _bench("train_step", "--layers=1", "--length=32", "--reps=1",
-                   "--group=2", "--completion=8")
+                   "--group=2", "--completion=8", "--frozen_weights")
   assert step["prompt"] == 24 and step["group"] == 2
-  for key in ("train_step_over_forward", "shared_prompt_speedup"):
+  for key in ("train_step_over_forward", "shared_prompt_speedup",
+              "adapter_gradient_speedup", "adapter_step_speedup_bound"):
     assert _positive(step[key])
+  assert step["norms_only_gradient_s"] <= step["train_step_s"]
 
 
 @pytest.mark.slow

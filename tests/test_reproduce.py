@@ -300,3 +300,42 @@ def test_report_is_written_from_what_has_been_evaluated(tmp_path,
           "+0.500 [") in pooled
   assert json.loads((tmp_path / "pooled_differences.json").read_text())[
       "workdirs"] == [str(tmp_path), str(other)]
+
+
+def test_learning_rate_is_picked_per_arm_on_the_validation_curve(tmp_path):
+  """Two workdirs of one warm start, the arms at lr 1e-5 (this one) and
+  3e-5 (swept): per arm the rate with the best validation reward at a
+  kept step is picked; a swept workdir must say its rate."""
+  def write_arm(directory, run: str, rewards: list[float],
+                rate: float | None) -> None:
+    os.makedirs(directory / run)
+    (directory / run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, **({"eval/reward": r} if r is not None
+                                  else {})}) + "\n"
+        for s, r in enumerate(rewards, 1)))
+    if rate is not None:
+      (directory / run / "config.json").write_text(json.dumps(
+          {"rl": {"learning_rate": rate}}))
+
+  here, swept = tmp_path / "lr1", tmp_path / "lr3"
+  # Step 1 is not kept (period 2): its 0.9 cannot pick a rate.
+  write_arm(here, "rl", [0.9, 0.2, None, 0.4], None)
+  write_arm(here, "rl_qa_only", [None, 0.1, None, 0.1], None)
+  write_arm(swept, "rl", [None, 0.3, None, 0.35], 3e-5)
+  write_arm(swept, "rl_qa_only", [None, 0.0, None, 0.1], 3e-5)
+  text = reproduce.sweep_report(str(here), 1e-5, [str(swept)], 2)
+  assert "| CMI+QA | **1e-05** | 0.2000 | 0.4000 | **0.4000 (4)** |" in text
+  assert "| CMI+QA | 3e-05 | 0.3000 | 0.3500 | 0.3500 (4) |" in text
+  # QA only ties at 0.1: the larger rate (it moved further) is picked.
+  assert "| QA only | **3e-05** | 0.0000 | 0.1000 | **0.1000 (4)** |" in text
+  assert "Picked (bold, the best validation reward at any kept step): " \
+         "CMI+QA 1e-05, QA only 3e-05." in text
+  assert (here / "sweep.md").read_text() == text
+  assert (here / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+  assert json.loads((here / "sweep.json").read_text())["workdirs"] == [
+      str(here), str(swept)]
+  with pytest.raises(app.UsageError, match="already in the sweep"):
+    reproduce.sweep_report(str(here), 3e-5, [str(swept)], 2)
+  os.remove(swept / "rl" / "config.json")
+  with pytest.raises(app.UsageError, match="has no config.json"):
+    reproduce.sweep_report(str(here), 1e-5, [str(swept)], 2)

@@ -95,6 +95,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
   train.add_argument("--remat", default="none", choices=("none", "full",
                                                          "dots"),
                      help="the layers' rematerialisation (Qwen3Config.remat)")
+  train.add_argument("--frozen_weights", action="store_true",
+                     help="also time the update's gradient alone with every "
+                     "parameter trainable and with only the RMSNorm scales "
+                     "trainable: the floor of an adapter (LoRA) update, "
+                     "which computes no weight gradient")
   grpo = sub.add_parser("grpo_step", help="a whole GRPO step vs TRL")
   grpo.add_argument("--prompts", type=int, default=4)
   grpo.add_argument("--group", type=int, default=4,
@@ -562,7 +567,49 @@ def run_train_step() -> None:
     whole_s = timed_step(False)[1]
     line.update(whole_rows_step_s=round(whole_s, 3),
                 shared_prompt_speedup=round(whole_s / step_s, 2))
+  if ARGS.frozen_weights:
+    all_s, norms_s = gradient_seconds(config, batch, prompt)
+    # An adapter update keeps the AdamW step only for its adapters, so
+    # the rest of the step (step - gradient) is an upper bound of what it
+    # would still pay outside its gradient.
+    line.update(gradient_s=round(all_s, 3),
+                norms_only_gradient_s=round(norms_s, 3),
+                adapter_gradient_speedup=round(all_s / norms_s, 2),
+                adapter_step_speedup_bound=round(
+                    step_s / (step_s - all_s + norms_s), 2))
   print(json.dumps(line), flush=True)
+
+
+def gradient_seconds(config, batch: dict[str, np.ndarray], prompt: int
+                     ) -> tuple[float, float]:
+  """Best seconds of the update's gradient alone (jitted
+  `rl.accumulated_grads`, the step's prompt sharing), every parameter
+  trainable vs only the RMSNorm scales: the backward still runs through
+  every layer, but no weight gradient is computed, as in an adapter
+  update (whose rank-r matmuls would come on top)."""
+  from flax import nnx
+
+  from cmimem_jax.models.qwen3 import Qwen3
+  from cmimem_jax.parallel import make_mesh
+  from cmimem_jax.rl import (GRPOLossConfig, TrainStepConfig,
+                             accumulated_grads, shared_prompt_group)
+  graphdef, state = nnx.split(Qwen3(config, rngs=nnx.Rngs(0)), nnx.Param)
+  params = nnx.to_pure_dict(state)
+  mesh = make_mesh("data:-1")
+  step_config = TrainStepConfig(loss=GRPOLossConfig(kl_beta=ARGS.kl_beta))
+  group = shared_prompt_group(batch["tokens"], batch["mask"], prompt,
+                              len(jax.devices()))
+  placed = {k: jnp.asarray(batch[k]) for k in step_config.batch_keys}
+  reference = params if step_config.loss.uses_reference else None
+  seconds = []
+  for trainable in (None, lambda path: path.endswith("norm")):
+    grads = jax.jit(functools.partial(
+        accumulated_grads, graphdef, step_config, mesh, start=prompt,
+        group=group, trainable=trainable))
+    with jax.set_mesh(mesh):
+      seconds.append(best_time(lambda: grads(params, placed, reference),
+                               ARGS.reps))
+  return seconds[0], seconds[1]
 
 
 # --- grpo_step ----------------------------------------------------------------

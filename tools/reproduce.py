@@ -31,6 +31,13 @@ several invocations:
 Another seed from the same warm start: `--config.seed=1 --workdir=DIR1
 --reuse=DIR --pool=DIR` (the teacher data, warm start and the `initial`
 / `warm_start` evaluations are taken from DIR, the rest runs in DIR1).
+
+The GRPO learning rate, chosen on the validation curve: run both arms
+with another rate from DIR's warm start (`--config.rl.learning_rate=3e-5
+--workdir=DIR2 --reuse=DIR --stages=grpo,grpo_qa_only`), then
+`--workdir=DIR --stages=report --sweep=DIR2,...` adds each arm's
+validation reward per rate and the rate it picks; the evaluation
+dialogues play no part in it.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
-from cmimem_jax.config import run_command  # noqa: E402
+from cmimem_jax.config import CONFIG_FILE, run_command  # noqa: E402
 from cmimem_jax.data import load_dataset  # noqa: E402
 from cmimem_jax.encoders import make_encoder  # noqa: E402
 from cmimem_jax.evaluation.metrics import bootstrap_interval  # noqa: E402
@@ -101,6 +108,11 @@ flags.DEFINE_string("reuse", "", "A workdir of the same config whose "
 flags.DEFINE_list("pool", [], "Workdirs of the same config run with other "
                   "seeds (`--config.seed`): `report` adds the differences "
                   "per seed and averaged over the seeds.")
+flags.DEFINE_list("sweep", [], "Workdirs whose GRPO arms ran from this "
+                  "one's warm start (`--reuse`) with another "
+                  "`--config.rl.learning_rate`: `report` adds each arm's "
+                  "validation curve per learning rate and the rate the "
+                  "validation picks (`sweep.md`, `sweep.png`).")
 
 
 def _slice(text: str) -> slice:
@@ -513,6 +525,80 @@ def chosen_step(metrics: list[dict], period: int) -> int:
   return max(scored)[1]  # (value, step): the best value, then the latest.
 
 
+def run_learning_rate(run_dir: str) -> float:
+  """The GRPO learning rate a run was started with (its `config.json`)."""
+  path = os.path.join(run_dir, CONFIG_FILE)
+  if not os.path.exists(path):
+    raise app.UsageError(f"--sweep: {run_dir} has no {CONFIG_FILE} (a run "
+                         "of this tool writes one)")
+  with open(path) as f:
+    return float(json.load(f)["rl"]["learning_rate"])
+
+
+def learning_rate_sweep(runs: dict[float, dict[str, list[dict]]],
+                        period: int) -> list[dict]:
+  """Per arm and learning rate, the validation curve at the kept steps
+  and its best point (`chosen_step`'s rule); `chosen` marks each arm's
+  rate with the best one (the larger among ties: it moved further).
+
+  Args:
+    runs: learning rate -> arm label -> that run's metrics.
+  """
+  rows = []
+  for arm in ARMS.values():
+    curves = {}
+    for rate, arms in sorted(runs.items()):
+      step = chosen_step(arms.get(arm.arm, []), period)
+      if step:
+        curve = {m["step"]: float(m[SELECTION_KEY]) for m in arms[arm.arm]
+                 if m.get(SELECTION_KEY) is not None
+                 and m["step"] % period == 0}
+        curves[rate] = (curve, step)
+    if not curves:
+      continue
+    best = max(curves, key=lambda r: (curves[r][0][curves[r][1]], r))
+    rows += [{"arm": arm.arm, "learning_rate": rate, "curve": curve,
+              "best_step": step, "best": curve[step], "chosen": rate == best}
+             for rate, (curve, step) in curves.items()]
+  return rows
+
+
+def sweep_table(rows: list[dict]) -> str:
+  steps = sorted({s for r in rows for s in r["curve"]})
+  lines = ["| arm | learning rate | " + " | ".join(
+      f"step {s}" for s in steps) + " | best (step) |",
+           "|---|---|" + "---|" * (len(steps) + 1)]
+  for r in rows:
+    mark = "**" if r["chosen"] else ""
+    cells = [f"{r['curve'][s]:.4f}" if s in r["curve"] else "—"
+             for s in steps]
+    lines.append(f"| {r['arm']} | {mark}{r['learning_rate']:g}{mark} | "
+                 + " | ".join(cells) + f" | {mark}{r['best']:.4f} "
+                 f"({r['best_step']}){mark} |")
+  return "\n".join(lines)
+
+
+def plot_sweep(rows: list[dict], directory: str) -> str:
+  """`sweep.png`: each arm's validation reward per learning rate."""
+  plt = _pyplot()
+  arms = list(dict.fromkeys(r["arm"] for r in rows))
+  fig, axes = plt.subplots(1, len(arms), figsize=(5 * len(arms), 3.3),
+                           squeeze=False)
+  for ax, arm in zip(axes[0], arms):
+    for r in rows:
+      if r["arm"] == arm:
+        steps = sorted(r["curve"])
+        ax.plot(steps, [r["curve"][s] for s in steps], marker="o",
+                label=f"lr {r['learning_rate']:g}" + (
+                    " (picked)" if r["chosen"] else ""))
+    ax.set(xlabel="GRPO step", title=f"{arm}: validation reward (greedy)")
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(directory, "sweep.png"), dpi=120)
+  plt.close(fig)
+  return "sweep.png"
+
+
 def _eval_config(config, init_checkpoint: str, checkpoint_step: int,
                  start: int, dialogues: int):
   evaluation = copy.deepcopy(config.evaluation)
@@ -525,13 +611,14 @@ def _eval_config(config, init_checkpoint: str, checkpoint_step: int,
 
 def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
               pool: Sequence[str] = (), reuse: str = "",
-              command: str = "") -> str | None:
+              command: str = "", sweep: Sequence[str] = ()) -> str | None:
   """Runs (or resumes) `stages`; returns RESULTS.md's text when `report`
   is one of them (pooling the evaluations of the workdirs in `pool`,
   the same recipe with other seeds). `reuse`: a workdir whose finished
   seed-independent stages (`REUSABLE`) this one takes over. `command`:
   the command line, quoted in the report (its config overrides say
-  what ran)."""
+  what ran). `sweep`: workdirs whose arms ran with other learning rates,
+  reported with this one's on the validation curve."""
   os.makedirs(workdir, exist_ok=True)
   record = StageRecord(workdir)
   if reuse:
@@ -585,6 +672,9 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
     if stage == "report":
       text = report(workdir, teachers, held_out, record.done, eval_dirs,
                     model_dirs, period, pool, command)
+      if sweep:
+        text += sweep_report(workdir, config.rl.learning_rate, sweep,
+                             period)
       with open(os.path.join(workdir, "RESULTS.md"), "w") as f:
         f.write(text)
       continue
@@ -690,6 +780,44 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
   return "\n".join(lines)
 
 
+def sweep_report(workdir: str, learning_rate: float, sweep: Sequence[str],
+                 period: int) -> str:
+  """RESULTS.md's learning-rate section (also `sweep.md`, `sweep.json`,
+  `sweep.png`): each arm's validation curve per rate, this workdir's
+  (`learning_rate`, the config's) and `sweep`'s."""
+  runs = {learning_rate: {}}
+  for directory in sweep:
+    rates = {run_learning_rate(os.path.join(directory, arm.run))
+             for arm in ARMS.values()
+             if os.path.isdir(os.path.join(directory, arm.run))}
+    if len(rates) != 1 or rates & set(runs):
+      raise app.UsageError(f"--sweep: {directory}'s arms ran with "
+                           f"learning rates {sorted(rates)}; each swept "
+                           "workdir needs one, not already in the sweep "
+                           f"({sorted(runs)})")
+    runs[rates.pop()] = {}
+  for rate, directory in zip(runs, (workdir, *sweep)):
+    runs[rate] = {arm.arm: metrics for arm in ARMS.values() if (
+        metrics := _run_metrics(os.path.join(directory, arm.run)))}
+  rows = learning_rate_sweep(runs, period)
+  with open(os.path.join(workdir, "sweep.json"), "w") as f:
+    json.dump({"workdirs": [workdir, *sweep], "rows": rows}, f, indent=1)
+  picked = ", ".join(f"{r['arm']} {r['learning_rate']:g}" for r in rows
+                     if r["chosen"])
+  lines = ["## GRPO learning rate on the validation curve", "",
+           f"The arms' validation reward (held-out training sessions, "
+           f"greedy; the evaluation dialogues play no part) per learning "
+           f"rate, at the kept steps; this run's rate: {learning_rate:g}; "
+           f"swept: {', '.join(sweep)}. Picked (bold, the best validation "
+           f"reward at any kept step): {picked}.", "",
+           sweep_table(rows), "", f"![sweep]({plot_sweep(rows, workdir)})",
+           ""]
+  text = "\n".join(lines)
+  with open(os.path.join(workdir, "sweep.md"), "w") as f:
+    f.write(text)
+  return text
+
+
 def read_lines(path: str) -> list[str]:
   with open(path, encoding="utf-8") as f:
     return [line for line in f if line.strip()]
@@ -699,7 +827,8 @@ def main(argv: list[str]) -> None:
   del argv
   if not flags.FLAGS.workdir:
     raise app.UsageError("--workdir is required")
-  missing = [d for d in [*flags.FLAGS.pool, flags.FLAGS.reuse]
+  missing = [d for d in [*flags.FLAGS.pool, *flags.FLAGS.sweep,
+                         flags.FLAGS.reuse]
              if d and not os.path.isfile(os.path.join(d, "stages.json"))]
   if missing:
     raise app.UsageError(f"--pool / --reuse: not a workdir of this tool "
@@ -707,7 +836,8 @@ def main(argv: list[str]) -> None:
   text = reproduce(flags.FLAGS.config, flags.FLAGS.workdir,
                    parse_stages(flags.FLAGS.stages), flags.FLAGS.pool,
                    flags.FLAGS.reuse,
-                   shlex.join(["python", "tools/reproduce.py", *sys.argv[1:]]))
+                   shlex.join(["python", "tools/reproduce.py", *sys.argv[1:]]),
+                   flags.FLAGS.sweep)
   if text is not None:
     print(text)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -103,14 +104,18 @@ def _micro(x: jax.Array, k: int, mesh: Mesh, group: int = 1) -> jax.Array:
 def accumulated_grads(graphdef: nnx.GraphDef, config: TrainStepConfig,
                       mesh: Mesh, params: Any, batch: dict[str, jax.Array],
                       ref_params: Any | None, start: int = 1,
-                      min_budget: jax.Array | None = None, group: int = 1
+                      min_budget: jax.Array | None = None, group: int = 1,
+                      trainable: Callable[[str], bool] | None = None
                       ) -> tuple[Any, dict[str, jax.Array]]:
   """Gradient of the global-batch loss (`config.loss`), summed over
   `config.micro_batches` scanned micro-batches, and the loss statistics.
   `start`: first column any row's `loss_mask` covers (static).
   `min_budget`: the constraint's `[S, V]` table when
   `config.constraint_eos_id` is set. `group` (static): rows per shared
-  prompt (`shared_prompt_group`; 1: none shared)."""
+  prompt (`shared_prompt_group`; 1: none shared). `trainable` (static):
+  None for every parameter, else the parameter paths (`layers/q_proj`)
+  that get a gradient; the others' is zero and their weight gradients are
+  never computed (the backward of an adapter-only update such as LoRA)."""
   k = config.micro_batches
   num_tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
   # Each token's share of the global batch's mean, fixed before the split
@@ -130,6 +135,11 @@ def accumulated_grads(graphdef: nnx.GraphDef, config: TrainStepConfig,
                           constraint=constraint, group=group)
 
   def loss_fn(p, mb):
+    if trainable is not None:
+      p = jax.tree_util.tree_map_with_path(
+          lambda path, x: x if trainable(jax.tree_util.keystr(
+              path, simple=True, separator="/")) else jax.lax.stop_gradient(x),
+          p)
     logprobs, entropy = logprobs_of(p, mb)
     ref = None
     if ref_params is not None:

@@ -37,7 +37,7 @@ from absl import logging
 from cmimem_jax.cmi.logprob import PolicyProfileLM
 from cmimem_jax.cmi.reward import RewardComputer, RewardConfig
 from cmimem_jax.config import (Interrupted, finite_number, register_section,
-                               validate_config)
+                               validate_config, write_config)
 from cmimem_jax.data import Dialogue, WorkdirLock, load_configured
 from cmimem_jax.encoders import encoder_identity, make_encoder
 from cmimem_jax.memory.builder import EDIT_COUNTERS
@@ -208,6 +208,8 @@ class Trainer:
     if jax.process_index() == 0:
       self.lock.acquire()
     os.makedirs(workdir, exist_ok=True)
+    if jax.process_index() == 0:
+      write_config(config, workdir)
     self.mesh = make_mesh(config.mesh)
     self.dialogues = training_dialogues(config.dataset)
     self.encoder = make_encoder(config.encoder)

@@ -30,7 +30,8 @@ from absl import logging
 
 from cmimem_jax.client import ChatModel
 from cmimem_jax.config import (Interrupted, finite_number,
-                               register_section, validate_config)
+                               register_section, validate_config,
+                               write_config)
 from cmimem_jax.data.files import WorkdirLock
 from cmimem_jax.data.types import Dialogue
 from cmimem_jax.encoders.base import Encoder
@@ -191,6 +192,8 @@ def run_sft(config, workdir: str) -> list[dict[str, Any]]:
   if jax.process_index() == 0:
     lock.acquire()
   os.makedirs(workdir, exist_ok=True)
+  if jax.process_index() == 0:
+    write_config(config, workdir)
   sft = config.sft
   mesh = make_mesh(config.mesh)
   tokenizer = load_tokenizer(config.policy.tokenizer)

@@ -124,6 +124,33 @@ def test_gradient_accumulation_equals_full_batch(aggregation):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
+def test_frozen_parameters_get_no_gradient_and_no_weight_gradient_work():
+  """`trainable` keeps the full gradient of the parameters it names (here
+  the RMSNorm scales, as an adapter update's floor), zero for the rest,
+  and the backward leaves out the frozen weights' gradient matmuls."""
+  graphdef, state = nnx.split(tiny_model(), nnx.Param)
+  params = nnx.to_pure_dict(state)
+  batch = {k: jnp.asarray(v) for k, v in synthetic_batch(1).items()}
+  results, dots = [], []
+  for trainable in (None, lambda path: path.endswith("norm")):
+    fn = functools.partial(accumulated_grads, graphdef, config(),
+                           one_device_mesh(), trainable=trainable)
+    dots.append(str(jax.make_jaxpr(fn)(params, batch, params)).count(
+        "dot_general"))
+    results.append(jax.jit(fn)(params, batch, params))
+  (full, full_stats), (norms, norm_stats) = results
+  np.testing.assert_allclose(norm_stats["loss"], full_stats["loss"])
+  flat_full = dict(jax.tree_util.tree_flatten_with_path(full)[0])
+  for path, grad in jax.tree_util.tree_flatten_with_path(norms)[0]:
+    name = jax.tree_util.keystr(path, simple=True, separator="/")
+    if name.endswith("norm"):
+      assert np.abs(np.asarray(grad)).max() > 0, name
+      np.testing.assert_allclose(grad, flat_full[path], rtol=1e-5, atol=1e-7)
+    else:
+      assert not np.asarray(grad).any(), name
+  assert dots[1] < dots[0], dots
+
+
 def test_trimming_common_padding_leaves_the_step_unchanged():
   """A batch with 9 extra padding columns on the left: cut to a multiple
   of 4, the update and its metrics equal the uncut one's."""

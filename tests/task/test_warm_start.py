@@ -89,11 +89,17 @@ def test_sft_then_constrained_grpo_from_its_checkpoint(tmp_path):
   assert history[-1]["nll"] < history[0]["nll"]
   resumed = run_sft(tiny_config(tmp_path, **{"sft.max_steps": 4}), sft_dir)
   assert len(resumed) == 1  # Steps 1-3 come from the checkpoint.
+  with open(os.path.join(sft_dir, "config.json")) as f:
+    assert json.load(f)["sft"]["max_steps"] == 4  # The resumed run's.
 
   config = tiny_config(tmp_path, **{
       "policy.init_checkpoint": sft_dir, "rollout.constrained_dsl": True,
       "rollout.max_new_tokens": 40, "rl.max_steps": 1, "policy.seed": 5})
   loop = Trainer(config, str(tmp_path / "rl"))
+  with open(tmp_path / "rl" / "config.json") as f:
+    saved_config = json.load(f)
+  assert saved_config["policy"]["init_checkpoint"] == sft_dir
+  assert saved_config["rl"]["max_steps"] == 1
   _, saved = Checkpointer(os.path.join(sft_dir, "checkpoints")
                           ).restore_params(loop.learner.params)
   for ours, want in zip(jax.tree.leaves(jax.device_get(loop.learner.params)),
