@@ -300,6 +300,21 @@ def test_report_is_written_from_what_has_been_evaluated(tmp_path,
           "+0.500 [") in pooled
   assert json.loads((tmp_path / "pooled_differences.json").read_text())[
       "workdirs"] == [str(tmp_path), str(other)]
+  # A workdir of another setting on the same split: each policy evaluated
+  # in both, paired (here only the warm start).
+  setting = tmp_path / "no_trim"
+  shutil.copytree(tmp_path / "eval" / "initial",
+                  setting / "eval" / "warm_start")
+  compared = reproduce.reproduce(small_repro.get_config(), str(tmp_path),
+                                 ["report"], compare=str(setting))
+  assert f"## This workdir − {setting} (same split" in compared
+  rows = [line for line in compared.splitlines()
+          if line.startswith(f"| warm_start ({tmp_path.name}) − ")]
+  assert len(rows) == 1 and rows[0].startswith(
+      f"| warm_start ({tmp_path.name}) − warm_start (no_trim) | "
+      "context_recall | 2 | 0.500 | 0.000 | +0.500 [")
+  assert json.loads((tmp_path / "compared.json").read_text())["rows"][0][
+      "n"] == 2
 
 
 def test_learning_rate_is_picked_per_arm_on_the_validation_curve(tmp_path):

@@ -108,6 +108,10 @@ flags.DEFINE_string("reuse", "", "A workdir of the same config whose "
 flags.DEFINE_list("pool", [], "Workdirs of the same config run with other "
                   "seeds (`--config.seed`): `report` adds the differences "
                   "per seed and averaged over the seeds.")
+flags.DEFINE_string("compare", "", "A workdir run on the same split with "
+                    "another setting (e.g. `--config.sft.trim_retrieved`): "
+                    "`report` adds, for each policy both evaluated, the "
+                    "paired differences this workdir minus that one.")
 flags.DEFINE_list("sweep", [], "Workdirs whose GRPO arms ran from this "
                   "one's warm start (`--reuse`) with another "
                   "`--config.rl.learning_rate`: `report` adds each arm's "
@@ -379,6 +383,33 @@ def seed_pooled_differences(runs: Sequence[dict[str, dict[str, dict]]],
   return rows
 
 
+def workdir_differences(records: dict[str, dict[str, dict]],
+                        other: dict[str, dict[str, dict]],
+                        metrics: Sequence[str] = ("context_recall",
+                                                  "evidence_recall"),
+                        excluded: Sequence[str] = ("adversarial",),
+                        seed: int = 0) -> list[dict]:
+  """Each policy evaluated in both workdirs (policy -> question id ->
+  record), this one minus `other`, on the questions both scored: the mean
+  per-question difference and its 95% paired bootstrap interval."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for policy in (p for p in POLICIES if p in records and p in other):
+    both = {"this": records[policy], "other": other[policy]}
+    for metric in metrics:
+      pairs = _question_pairs(both, "this", "other", metric, excluded)
+      if not pairs:
+        continue
+      scores = np.array(list(pairs.values()), float)       # [Q, 2]
+      low, high = bootstrap_interval(scores[:, 0] - scores[:, 1], rng)
+      rows.append({"policy": policy, "baseline": policy, "metric": metric,
+                   "n": len(pairs), "policy_mean": float(scores[:, 0].mean()),
+                   "baseline_mean": float(scores[:, 1].mean()),
+                   "difference": float((scores[:, 0] - scores[:, 1]).mean()),
+                   "ci95": [low, high]})
+  return rows
+
+
 def pooled_table(rows: list[dict]) -> str:
   lines = ["| policy − baseline | metric | n | difference per seed | "
            "seed-averaged difference [95% CI] |", "|---|---|---|---|---|"]
@@ -611,14 +642,17 @@ def _eval_config(config, init_checkpoint: str, checkpoint_step: int,
 
 def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
               pool: Sequence[str] = (), reuse: str = "",
-              command: str = "", sweep: Sequence[str] = ()) -> str | None:
+              command: str = "", sweep: Sequence[str] = (),
+              compare: str = "") -> str | None:
   """Runs (or resumes) `stages`; returns RESULTS.md's text when `report`
   is one of them (pooling the evaluations of the workdirs in `pool`,
   the same recipe with other seeds). `reuse`: a workdir whose finished
   seed-independent stages (`REUSABLE`) this one takes over. `command`:
   the command line, quoted in the report (its config overrides say
   what ran). `sweep`: workdirs whose arms ran with other learning rates,
-  reported with this one's on the validation curve."""
+  reported with this one's on the validation curve. `compare`: a workdir
+  of the same split and another setting, its evaluations paired with
+  this one's."""
   os.makedirs(workdir, exist_ok=True)
   record = StageRecord(workdir)
   if reuse:
@@ -672,6 +706,8 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
     if stage == "report":
       text = report(workdir, teachers, held_out, record.done, eval_dirs,
                     model_dirs, period, pool, command)
+      if compare:
+        text += compare_report(workdir, compare, eval_dirs)
       if sweep:
         text += sweep_report(workdir, config.rl.learning_rate, sweep,
                              period)
@@ -780,6 +816,24 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
   return "\n".join(lines)
 
 
+def compare_report(workdir: str, other: str, eval_dirs: dict[str, str]
+                   ) -> str:
+  """RESULTS.md's section pairing this workdir's evaluations with those
+  of `other` (also `compared.json`)."""
+  rows = workdir_differences(_evaluated_records(eval_dirs),
+                             _evaluated_records(_eval_dirs(other)))
+  with open(os.path.join(workdir, "compared.json"), "w") as f:
+    json.dump({"workdirs": [workdir, other], "rows": rows}, f, indent=1)
+  names = [os.path.basename(os.path.normpath(d)) for d in (workdir, other)]
+  labelled = [dict(r, policy=f"{r['policy']} ({names[0]})",
+                   baseline=f"{r['baseline']} ({names[1]})") for r in rows]
+  return "\n".join([
+      f"## This workdir − {other} (same split, another setting; 95% "
+      "bootstrap intervals over questions, adversarial left out)", "",
+      differences_table(labelled) if rows else
+      "No policy evaluated in both workdirs.", "", ""])
+
+
 def sweep_report(workdir: str, learning_rate: float, sweep: Sequence[str],
                  period: int) -> str:
   """RESULTS.md's learning-rate section (also `sweep.md`, `sweep.json`,
@@ -828,7 +882,7 @@ def main(argv: list[str]) -> None:
   if not flags.FLAGS.workdir:
     raise app.UsageError("--workdir is required")
   missing = [d for d in [*flags.FLAGS.pool, *flags.FLAGS.sweep,
-                         flags.FLAGS.reuse]
+                         flags.FLAGS.reuse, flags.FLAGS.compare]
              if d and not os.path.isfile(os.path.join(d, "stages.json"))]
   if missing:
     raise app.UsageError(f"--pool / --reuse: not a workdir of this tool "
@@ -837,7 +891,7 @@ def main(argv: list[str]) -> None:
                    parse_stages(flags.FLAGS.stages), flags.FLAGS.pool,
                    flags.FLAGS.reuse,
                    shlex.join(["python", "tools/reproduce.py", *sys.argv[1:]]),
-                   flags.FLAGS.sweep)
+                   flags.FLAGS.sweep, flags.FLAGS.compare)
   if text is not None:
     print(text)
 
