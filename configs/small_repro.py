@@ -11,14 +11,14 @@ response grammar-constrained to valid DSL. Split (LoCoMo `locomo10.json`,
 10 conversations in file order):
 - warm start: the annotation teacher (observations / event summaries as
   DSL) on conversations 0-7 (`repro.teacher_dialogues`); 16 steps of 2
-  trajectories, the 32 of 217 with prompts up to 2,048 tokens and
-  responses up to 384 (sessions 1-12, 28 of them from sessions 1-7; a
-  step of two 2k-token rows takes 40-75 s here). `sft.trim_retrieved=True`
-  with `sft.max_response_tokens=512` instead writes prompts over 2,048
-  tokens with fewer retrieved entries per type, so 197 of the 217 fit,
-  late sessions included; with the same 16 steps that warm start scored
-  lower on the held-out conversations (RESULTS.md, round four), so it is
-  not the default;
+  trajectories, the 45 of 217 with prompts up to 2,048 tokens and
+  responses up to 512 (early sessions; a step of two 2k-token rows takes
+  25-75 s here). `sft.trim_retrieved` was decided on a validation
+  conversation (conv-48, warm starts on conversations 0-6, before any
+  held-out score was read; results/trim_choice/): trimming the retrieved
+  entries so that 171 of 187 trajectories fit gave a warm start that writes
+  bare timestamps, context recall 0.005 against 0.126 without it
+  (-0.120 [-0.168, -0.073]), so it stays off;
 - GRPO, both arms: the bundled LongMemEval training sample (per-session
   QA, the demo's data: LoCoMo has no single-session QA pairs to reward);
 - evaluation: conversations 8-9 (conv-49, conv-50), `method=policy`,
@@ -42,7 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
       "data": "", "batch_size": 2, "micro_batches": 1, "epochs": 1,
       "max_steps": 16, "learning_rate": 5e-5, "warmup_steps": 2,
       "weight_decay": 0.0, "grad_clip_norm": 1.0,
-      "max_prompt_tokens": 2048, "max_response_tokens": 384,
+      "max_prompt_tokens": 2048, "max_response_tokens": 512,
       "trim_retrieved": False,
       "buckets": (1024, 1536, 2048), "logprob_chunk": 128})
   # Groups of 4 rollouts (GRPO's advantages need spread within a group);

@@ -199,7 +199,7 @@ def test_stages_run_once_in_order_and_resume(tmp_path, monkeypatch):
                           ("teacher", len(teachers)))
                                             or [{"retrieved_per_type": 3}], 0))
   monkeypatch.setattr(reproduce, "run_sft", lambda c, d: calls.append(
-      ("warm_start", os.path.basename(d))))
+      ("warm_start", os.path.basename(d), c.checkpoint.keep_period)))
   monkeypatch.setattr(reproduce, "train", lambda c, d: calls.append(
       ("train", os.path.basename(d), c.reward.alpha,
        os.path.basename(c.policy.init_checkpoint))) or "")
@@ -209,7 +209,10 @@ def test_stages_run_once_in_order_and_resume(tmp_path, monkeypatch):
     reproduce.reproduce(config, workdir, ["grpo"])
   reproduce.reproduce(config, workdir, ["teacher", "warm_start", "grpo",
                                         "grpo_qa_only"])
-  assert calls == [("teacher", 8), ("warm_start", "sft"),
+  # The warm start keeps its newest checkpoint only; the arms keep every
+  # `keep_period`-th step, for the validation curve to pick from.
+  assert config.checkpoint.keep_period == 2
+  assert calls == [("teacher", 8), ("warm_start", "sft", 0),
                    ("train", "rl", config.reward.alpha, "sft"),
                    ("train", "rl_qa_only", 0.0, "sft")]
   assert config.reward.alpha > 0  # The arms run on copies.
