@@ -341,19 +341,70 @@ def test_learning_rate_is_picked_per_arm_on_the_validation_curve(tmp_path):
   write_arm(here, "rl_qa_only", [None, 0.1, None, 0.1], None)
   write_arm(swept, "rl", [None, 0.3, None, 0.35], 3e-5)
   write_arm(swept, "rl_qa_only", [None, 0.0, None, 0.1], 3e-5)
-  text = reproduce.sweep_report(str(here), 1e-5, [str(swept)], 2)
+  workdirs = reproduce.swept_workdirs(str(here), 1e-5, [str(swept)])
+  assert workdirs == {1e-5: str(here), 3e-5: str(swept)}
+  rows = reproduce.sweep_rows(workdirs, 2)
+  text = reproduce.sweep_report(str(here), workdirs, rows)
   assert "| CMI+QA | **1e-05** | 0.2000 | 0.4000 | **0.4000 (4)** |" in text
   assert "| CMI+QA | 3e-05 | 0.3000 | 0.3500 | 0.3500 (4) |" in text
   # QA only ties at 0.1: the larger rate (it moved further) is picked.
   assert "| QA only | **3e-05** | 0.0000 | 0.1000 | **0.1000 (4)** |" in text
   assert "Picked (bold, the best validation reward at any kept step): " \
-         "CMI+QA 1e-05, QA only 3e-05." in text
+         "CMI+QA 1e-05, QA only 3e-05; `eval_rl`" in text
   assert (here / "sweep.md").read_text() == text
   assert (here / "sweep.png").read_bytes()[:4] == b"\x89PNG"
   assert json.loads((here / "sweep.json").read_text())["workdirs"] == [
       str(here), str(swept)]
+  # Each arm is evaluated from the run of its picked rate.
+  assert reproduce.picked_runs(rows, workdirs) == {
+      "rl": str(here / "rl"), "rl_qa_only": str(swept / "rl_qa_only")}
   with pytest.raises(app.UsageError, match="already in the sweep"):
-    reproduce.sweep_report(str(here), 3e-5, [str(swept)], 2)
+    reproduce.swept_workdirs(str(here), 3e-5, [str(swept)])
   os.remove(swept / "rl" / "config.json")
   with pytest.raises(app.UsageError, match="has no config.json"):
-    reproduce.sweep_report(str(here), 1e-5, [str(swept)], 2)
+    reproduce.swept_workdirs(str(here), 1e-5, [str(swept)])
+
+
+def test_an_arm_is_evaluated_from_the_rate_and_step_its_validation_picks(
+    tmp_path, monkeypatch):
+  """`--stages=eval_rl_qa_only --sweep=DIR2`: the QA-only arm of the
+  swept workdir (better validation) is evaluated at its best kept step,
+  and the report says which checkpoint each evaluation read."""
+  dialogues = [types.SimpleNamespace(dialogue_id=f"conv-{i}")
+               for i in range(10)]
+  monkeypatch.setattr(reproduce, "load_dataset", lambda *_: dialogues)
+  evaluated = []
+
+  def fake_evaluate(evaluation, output: str) -> None:
+    evaluated.append((evaluation.builder.init_checkpoint,
+                      evaluation.builder.checkpoint_step,
+                      evaluation.dataset.start, evaluation.dataset.dialogues))
+    os.makedirs(output)
+    with open(os.path.join(output, "results.json"), "w") as f:
+      json.dump(_result(0.5, 0.0), f)
+
+  monkeypatch.setattr(reproduce, "evaluate", fake_evaluate)
+  here, swept = tmp_path / "lr1", tmp_path / "lr3"
+  for directory, rate, rewards in ((here, 1e-5, [0.1, 0.2]),
+                                   (swept, 3e-5, [0.3, 0.1])):
+    for run in ("rl", "rl_qa_only"):
+      (directory / run).mkdir(parents=True)
+      (directory / run / "metrics.jsonl").write_text("".join(json.dumps(
+          {"step": s, "pg_loss": 0.0, "reward/qa": r, "kl": 0.0,
+           "validity_rate": 1.0, "response_tokens_mean": 40.0,
+           "reward_group_std": 0.1, "eval/reward": r, "eval/qa": r,
+           "eval/cmi": 0.0, "eval/sessions": 2}) + "\n"
+          for s, r in zip((2, 4), rewards)))
+      (directory / run / "config.json").write_text(json.dumps(
+          {"rl": {"learning_rate": rate}}))
+  (here / "stages.json").write_text(json.dumps({"grpo_qa_only": 1.0}))
+  config = small_repro.get_config()
+  text = reproduce.reproduce(config, str(here),
+                             ["eval_rl_qa_only", "report"],
+                             sweep=[str(swept)])
+  assert evaluated == [(str(swept / "rl_qa_only"), 2, 8, 2)]
+  assert (f"Checkpoints evaluated: rl_qa_only: `{swept / 'rl_qa_only'}` "
+          "step 2.") in text
+  # The arms table reports the evaluated (picked) runs' curves.
+  assert "Picked (bold, the best validation reward at any kept step): " \
+         "CMI+QA 3e-05, QA only 3e-05" in text

@@ -35,9 +35,11 @@ Another seed from the same warm start: `--config.seed=1 --workdir=DIR1
 The GRPO learning rate, chosen on the validation curve: run both arms
 with another rate from DIR's warm start (`--config.rl.learning_rate=3e-5
 --workdir=DIR2 --reuse=DIR --stages=grpo,grpo_qa_only`), then
-`--workdir=DIR --stages=report --sweep=DIR2,...` adds each arm's
-validation reward per rate and the rate it picks; the evaluation
-dialogues play no part in it.
+`--workdir=DIR --stages=eval_rl,eval_rl_qa_only,report --sweep=DIR2,...`
+evaluates each arm from the rate its validation reward picks (at its
+best kept step) and reports each arm's validation reward per rate; the
+evaluation dialogues play no part in the choice. Every evaluation
+records the checkpoint it read (`eval/<policy>/evaluated.json`).
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ POLICIES = {"initial": Policy(),
 ARMS = {name: policy for name, policy in POLICIES.items() if policy.arm}
 STAGES = ("teacher", *(p.stage for p in POLICIES.values() if p.stage),
           *(f"eval_{p}" for p in POLICIES), "report")
+# What an evaluation directory records of the checkpoint it evaluated.
+EVALUATED_FILE = "evaluated.json"
 # Paired comparisons reported with intervals: (policy, baseline).
 COMPARISONS = (("warm_start", "initial"), ("rl", "warm_start"),
                ("rl_qa_only", "warm_start"), ("rl", "rl_qa_only"))
@@ -650,7 +654,8 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
   seed-independent stages (`REUSABLE`) this one takes over. `command`:
   the command line, quoted in the report (its config overrides say
   what ran). `sweep`: workdirs whose arms ran with other learning rates,
-  reported with this one's on the validation curve. `compare`: a workdir
+  reported with this one's on the validation curve; each arm is
+  evaluated from the rate that curve picks. `compare`: a workdir
   of the same split and another setting, its evaluations paired with
   this one's."""
   os.makedirs(workdir, exist_ok=True)
@@ -698,13 +703,24 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
         arm, model_dirs[name])
   start_index = _slice(repro.eval_dialogues).start or 0
   period = config.checkpoint.keep_period
+  swept = (swept_workdirs(workdir, config.rl.learning_rate, sweep)
+           if sweep else {})
+
+  def evaluated_dirs() -> dict[str, str]:
+    # The runs evaluated and reported: with a sweep, each arm's is the one
+    # of the learning rate its validation curve picks (read when needed:
+    # GRPO may have run earlier in this invocation).
+    return {**model_dirs, **picked_runs(sweep_rows(swept, period), swept)}
 
   def evaluate_policy(policy: str) -> None:
-    step = (chosen_step(read_metrics(model_dirs[policy]), period)
-            if policy in ARMS else 0)
-    print(f"{policy}: evaluating checkpoint step {step or 'newest'}")
-    evaluate(_eval_config(config, model_dirs[policy], step, start_index,
-                          len(held_out)), eval_dirs[policy])
+    run = evaluated_dirs()[policy]
+    step = chosen_step(read_metrics(run), period) if policy in ARMS else 0
+    print(f"{policy}: evaluating {run or 'the initial policy'}, checkpoint "
+          f"step {step or 'newest'}")
+    evaluate(_eval_config(config, run, step, start_index, len(held_out)),
+             eval_dirs[policy])
+    with open(os.path.join(eval_dirs[policy], EVALUATED_FILE), "w") as f:
+      json.dump({"run": run, "step": step}, f)
 
   for policy in POLICIES:
     runs[f"eval_{policy}"] = functools.partial(evaluate_policy, policy)
@@ -712,12 +728,11 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
   for stage in stages:
     if stage == "report":
       text = report(workdir, teachers, held_out, record.done, eval_dirs,
-                    model_dirs, period, pool, command)
+                    evaluated_dirs(), period, pool, command)
       if compare:
         text += compare_report(workdir, compare, eval_dirs)
       if sweep:
-        text += sweep_report(workdir, config.rl.learning_rate, sweep,
-                             period)
+        text += sweep_report(workdir, swept, sweep_rows(swept, period))
       with open(os.path.join(workdir, "RESULTS.md"), "w") as f:
         f.write(text)
       continue
@@ -743,11 +758,30 @@ def _run_metrics(directory: str) -> list[dict]:
   return []
 
 
+def evaluated_checkpoints(eval_dirs: dict[str, str]) -> str:
+  """"policy: run step N, ..." from each evaluation's `EVALUATED_FILE`
+  (an evaluation from before it was written says "not recorded")."""
+  parts = []
+  for policy, directory in eval_dirs.items():
+    if not os.path.exists(os.path.join(directory, "results.json")):
+      continue
+    path = os.path.join(directory, EVALUATED_FILE)
+    if not os.path.exists(path):
+      parts.append(f"{policy}: not recorded")
+      continue
+    with open(path) as f:
+      evaluated = json.load(f)
+    parts.append(f"{policy}: " + (
+        f"`{evaluated['run']}` step {evaluated['step'] or 'newest'}"
+        if evaluated["run"] else "the untrained policy"))
+  return "; ".join(parts)
+
+
 def report(workdir: str, teachers, held_out, wall: dict[str, float],
            eval_dirs: dict[str, str], model_dirs: dict[str, str],
            period: int, pool: Sequence[str] = (), command: str = "") -> str:
   """RESULTS.md's text (and the plots) from what has been run so far;
-  `model_dirs`: policy -> its run directory; `pool`: workdirs of the
+  `model_dirs`: policy -> the run directory evaluated and reported; `pool`: workdirs of the
   same recipe run with other seeds, pooled with this one; `command`: the
   invocation writing it (default: the bare recipe)."""
   results, banks = {}, {}
@@ -791,7 +825,8 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
   if results:
     lines += [results_table(results), "",
               f"Questions: {next(iter(results.values()))['n']} per policy "
-              f"({', '.join(results)} evaluated).", "",
+              f"({', '.join(results)} evaluated). Checkpoints evaluated: "
+              f"{evaluated_checkpoints(eval_dirs)}.", "",
               "## Paired differences (95% bootstrap intervals over "
               "questions, adversarial left out)", "",
               differences_table(differences), ""]
@@ -841,36 +876,68 @@ def compare_report(workdir: str, other: str, eval_dirs: dict[str, str]
       "No policy evaluated in both workdirs.", "", ""])
 
 
-def sweep_report(workdir: str, learning_rate: float, sweep: Sequence[str],
-                 period: int) -> str:
-  """RESULTS.md's learning-rate section (also `sweep.md`, `sweep.json`,
-  `sweep.png`): each arm's validation curve per rate, this workdir's
-  (`learning_rate`, the config's) and `sweep`'s."""
-  runs = {learning_rate: {}}
+def swept_workdirs(workdir: str, learning_rate: float,
+                   sweep: Sequence[str]) -> dict[float, str]:
+  """learning rate -> workdir: this one's (`learning_rate`, the config's)
+  and each of `sweep`'s (read from its arms' `config.json`).
+
+  Raises:
+    app.UsageError: a swept workdir whose arms say no rate, two rates, or
+      one already in the sweep.
+  """
+  workdirs = {learning_rate: workdir}
   for directory in sweep:
     rates = {run_learning_rate(os.path.join(directory, arm.run))
              for arm in ARMS.values()
              if os.path.isdir(os.path.join(directory, arm.run))}
-    if len(rates) != 1 or rates & set(runs):
+    if len(rates) != 1 or rates & set(workdirs):
       raise app.UsageError(f"--sweep: {directory}'s arms ran with "
                            f"learning rates {sorted(rates)}; each swept "
                            "workdir needs one, not already in the sweep "
-                           f"({sorted(runs)})")
-    runs[rates.pop()] = {}
-  for rate, directory in zip(runs, (workdir, *sweep)):
-    runs[rate] = {arm.arm: metrics for arm in ARMS.values() if (
-        metrics := _run_metrics(os.path.join(directory, arm.run)))}
-  rows = learning_rate_sweep(runs, period)
+                           f"({sorted(workdirs)})")
+    workdirs[rates.pop()] = directory
+  return workdirs
+
+
+def sweep_rows(workdirs: dict[float, str], period: int) -> list[dict]:
+  """`learning_rate_sweep` over the arms run in `workdirs` (rate ->
+  workdir)."""
+  return learning_rate_sweep(
+      {rate: {arm.arm: metrics for arm in ARMS.values() if (
+          metrics := _run_metrics(os.path.join(directory, arm.run)))}
+       for rate, directory in workdirs.items()}, period)
+
+
+def picked_runs(rows: list[dict], workdirs: dict[float, str]
+                ) -> dict[str, str]:
+  """Policy name -> the run directory of the learning rate the validation
+  picked for that arm (`rows`: `learning_rate_sweep`'s)."""
+  picked = {r["arm"]: workdirs[r["learning_rate"]] for r in rows
+            if r["chosen"]}
+  return {name: os.path.join(picked[arm.arm], arm.run)
+          for name, arm in ARMS.items() if arm.arm in picked}
+
+
+def sweep_report(workdir: str, workdirs: dict[float, str],
+                 rows: list[dict]) -> str:
+  """RESULTS.md's learning-rate section (also `sweep.md`, `sweep.json`,
+  `sweep.png`): each arm's validation curve per rate (`rows` from
+  `sweep_rows(workdirs)`; `workdirs[rate]` is `workdir` for the config's
+  rate)."""
   with open(os.path.join(workdir, "sweep.json"), "w") as f:
-    json.dump({"workdirs": [workdir, *sweep], "rows": rows}, f, indent=1)
+    json.dump({"workdirs": list(workdirs.values()), "rows": rows}, f,
+              indent=1)
   picked = ", ".join(f"{r['arm']} {r['learning_rate']:g}" for r in rows
                      if r["chosen"])
+  own = next(rate for rate, d in workdirs.items() if d == workdir)
+  swept = [d for d in workdirs.values() if d != workdir]
   lines = ["## GRPO learning rate on the validation curve", "",
            f"The arms' validation reward (held-out training sessions, "
            f"greedy; the evaluation dialogues play no part) per learning "
-           f"rate, at the kept steps; this run's rate: {learning_rate:g}; "
-           f"swept: {', '.join(sweep)}. Picked (bold, the best validation "
-           f"reward at any kept step): {picked}.", "",
+           f"rate, at the kept steps; this run's rate: {own:g}; "
+           f"swept: {', '.join(swept)}. Picked (bold, the best validation "
+           f"reward at any kept step): {picked}; `eval_rl` and "
+           f"`eval_rl_qa_only` run with `--sweep` evaluate these.", "",
            sweep_table(rows), "", f"![sweep]({plot_sweep(rows, workdir)})",
            ""]
   text = "\n".join(lines)
