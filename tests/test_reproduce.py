@@ -397,7 +397,9 @@ def test_an_arm_is_evaluated_from_the_rate_and_step_its_validation_picks(
           for s, r in zip((2, 4), rewards)))
       (directory / run / "config.json").write_text(json.dumps(
           {"rl": {"learning_rate": rate}}))
-  (here / "stages.json").write_text(json.dumps({"grpo_qa_only": 1.0}))
+  # The picked QA-only run's GRPO finished in the swept workdir, not here.
+  (here / "stages.json").write_text(json.dumps({"grpo": 1.0}))
+  (swept / "stages.json").write_text(json.dumps({"grpo_qa_only": 1.0}))
   config = small_repro.get_config()
   text = reproduce.reproduce(config, str(here),
                              ["eval_rl_qa_only", "report"],

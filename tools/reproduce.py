@@ -724,6 +724,15 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
 
   for policy in POLICIES:
     runs[f"eval_{policy}"] = functools.partial(evaluate_policy, policy)
+
+  def finished(stage: str) -> dict[str, float]:
+    # An arm's evaluation reads the run its sweep picked, which may live in
+    # a swept workdir: the stage it needs is finished there.
+    policy = stage.removeprefix("eval_")
+    if stage.startswith("eval_") and policy in ARMS:
+      return StageRecord(os.path.dirname(evaluated_dirs()[policy])).done
+    return record.done
+
   text = None
   for stage in stages:
     if stage == "report":
@@ -741,7 +750,7 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
             f"({record.done[stage]} s), skipped")
       continue
     needed = NEEDS.get(stage)
-    if needed and needed not in record.done:
+    if needed and needed not in finished(stage):
       raise app.UsageError(f"stage {stage} starts from stage {needed}'s "
                            f"output: run --stages={needed} first")
     print(f"{stage}: running", flush=True)
@@ -855,7 +864,8 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
             "## Wall time (seconds, this machine)", "",
             "| stage | s |", "|---|---|",
             *[f"| {k} | {v} |" for k, v in wall.items()], ""]
-  return "\n".join(lines)
+  # Ends in a blank line: the sweep / compare sections follow it.
+  return "\n".join(lines) + "\n"
 
 
 def compare_report(workdir: str, other: str, eval_dirs: dict[str, str]
