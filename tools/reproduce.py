@@ -40,6 +40,12 @@ evaluates each arm from the rate its validation reward picks (at its
 best kept step) and reports each arm's validation reward per rate; the
 evaluation dialogues play no part in the choice. Every evaluation
 records the checkpoint it read (`eval/<policy>/evaluated.json`).
+Another seed at the rates picked there: each arm in the workdir of its
+rate (`--config.seed=1 --workdir=S1 --reuse=DIR --stages=grpo`, and
+`--config.rl.learning_rate=3e-5 --workdir=S1_lr3e-5 --reuse=DIR
+--stages=grpo_qa_only`), then `--workdir=S1
+--stages=eval_rl,eval_rl_qa_only,report --sweep=S1_lr3e-5 --pool=DIR`
+(RESULTS.md, round five).
 """
 
 from __future__ import annotations
@@ -790,9 +796,10 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
            eval_dirs: dict[str, str], model_dirs: dict[str, str],
            period: int, pool: Sequence[str] = (), command: str = "") -> str:
   """RESULTS.md's text (and the plots) from what has been run so far;
-  `model_dirs`: policy -> the run directory evaluated and reported; `pool`: workdirs of the
-  same recipe run with other seeds, pooled with this one; `command`: the
-  invocation writing it (default: the bare recipe)."""
+  `model_dirs`: policy -> the run directory evaluated and reported;
+  `pool`: workdirs of the same recipe run with other seeds, pooled with
+  this one; `command`: the invocation writing it (default: the bare
+  recipe)."""
   results, banks = {}, {}
   for policy, directory in eval_dirs.items():
     path = os.path.join(directory, "results.json")
