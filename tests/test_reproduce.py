@@ -410,3 +410,5 @@ def test_an_arm_is_evaluated_from_the_rate_and_step_its_validation_picks(
   # The arms table reports the evaluated (picked) runs' curves.
   assert "Picked (bold, the best validation reward at any kept step): " \
          "CMI+QA 3e-05, QA only 3e-05" in text
+  # The sweep's section starts after a blank line, not inside a table.
+  assert "|\n\n## GRPO learning rate on the validation curve" in text
