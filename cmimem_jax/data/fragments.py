@@ -22,13 +22,24 @@ def candidate_fragments(turn_texts: Iterable[str]) -> int:
              for text in turn_texts for sentence in _SENTENCE_END.split(text))
 
 
+def _statements(text: str, boundary: re.Pattern[str]) -> list[str]:
+  return [part.strip() for part in boundary.split(text)
+          if len(part.split()) >= MIN_FRAGMENT_WORDS
+          and not part.rstrip().endswith("?")]
+
+
 def user_statements(user_turns: Iterable[str]) -> list[str]:
   """The clauses of the user's turns that state something (at least
   `MIN_FRAGMENT_WORDS` words, not a question): what user-specific
   knowledge a session can hold. A session of questions only ("What is the
   capital of Australia?") states nothing about the user (App. B: semantic
   SKIP for common knowledge)."""
-  return [clause.strip() for text in user_turns
-          for clause in _CLAUSE_END.split(text)
-          if len(clause.split()) >= MIN_FRAGMENT_WORDS
-          and not clause.rstrip().endswith("?")]
+  return [clause for text in user_turns
+          for clause in _statements(text, _CLAUSE_END)]
+
+
+def stated_sentences(text: str) -> list[str]:
+  """The whole sentences of `text` that state something (the same test
+  as `user_statements`, split at sentence ends only, so that each reads
+  on its own)."""
+  return _statements(text, _SENTENCE_END)

@@ -19,7 +19,20 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 from flax import nnx
+
+
+class _ReadOnlyNotice(logging.Filter):
+  """Drops orbax's warning that a directory opened read-only is read-only
+  (every `read_only=True` Checkpointer asks for exactly that; `make demo`
+  would print it on every start from a warm start)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.msg != "Given directory is read only=%s"
+
+
+absl_logging.get_absl_logger().addFilter(_ReadOnlyNotice())
 
 
 @dataclasses.dataclass

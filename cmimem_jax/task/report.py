@@ -1,6 +1,6 @@
 """The training job's human-readable report (`make demo`): the reward per
 step and what the policy writes into memory for one session, before and
-after training, as entries a person can read rather than raw DSL."""
+after GRPO, as entries a person can read rather than raw DSL."""
 
 from __future__ import annotations
 
@@ -85,12 +85,13 @@ def session_line(episode: Episode) -> str:
 
 
 def summary_text(history: Sequence[dict[str, Any]], session: str,
-                 about: str, before: Sequence[str], after: Sequence[str]
-                 ) -> str:
+                 about: str, before: Sequence[str], after: Sequence[str],
+                 start: str = "the loaded model") -> str:
   """The demo's report: the reward table, then one session's memory
-  written by the initial and by the trained policy."""
+  written by the policy GRPO started from (`start` says which) and by the
+  trained policy."""
   lines = ["", "=== CMI-Mem training summary ===", *reward_table(history),
            "", f"--- session {session} ({about}) ---",
-           "memory written before training:",
-           *before, "memory written after training:", *after]
+           f"memory written before GRPO ({start}):",
+           *before, "memory written after GRPO:", *after]
   return "\n".join(lines)

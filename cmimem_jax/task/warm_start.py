@@ -3,9 +3,10 @@
 Teacher trajectories are (policy prompt, DSL response) pairs: the prompt
 is exactly what the RL policy sees for a session (Listings 6-7 over the
 bank built so far, `episode.policy_messages`), the response a valid DSL
-answer — from LoCoMo's own annotations (`annotation_trajectories`) or any
-chat model (`teacher_trajectories`; invalid answers are rejected and
-counted, never trained on). Responses are written canonically (types in
+answer — from LoCoMo's own annotations (`annotation_trajectories`), the
+user's own sentences on any dataset (`extractive_teacher`) or any chat
+model (`endpoint_teacher`; invalid answers are rejected and counted, never
+trained on). Responses are written canonically (types in
 Listing 6's order, one operation per line, a trailing newline), the form
 grammar-constrained decoding produces.
 
@@ -18,10 +19,11 @@ the result (`rl.load_model_weights`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -33,12 +35,14 @@ from cmimem_jax.config import (Interrupted, finite_number,
                                register_section, validate_config,
                                write_config)
 from cmimem_jax.data.files import WorkdirLock
-from cmimem_jax.data.types import Dialogue
+from cmimem_jax.data.types import Dialogue, Session
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.evaluation.builders import policy_responder
+from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.builder import Responder, build_bank
-from cmimem_jax.memory.dsl import ParsedResponse, render
-from cmimem_jax.memory.types import MemoryType
+from cmimem_jax.memory.dsl import ParsedResponse, parse, render
+from cmimem_jax.memory.extractive import ResponseFits, extractive_operations
+from cmimem_jax.memory.types import MemoryType, Operation
 from cmimem_jax.parallel import batch_divisor, make_mesh
 from cmimem_jax.rl import (Checkpointer, Learner, MetricsWriter,
                            OptimizerConfig, SFTLossConfig, StopSignals,
@@ -51,13 +55,17 @@ from cmimem_jax.task.episode import PromptFits, fitted_policy_messages
 _TYPE_ORDER = {t: i for i, t in enumerate(MemoryType)}
 
 
+def canonical_text(operations: Iterable[Operation]) -> str:
+  """Operations in the grammar's form: CORE, EPISODIC, SEMANTIC,
+  PROCEDURAL lines (each type's lines in their order), a newline after
+  every line."""
+  return render(sorted(operations,
+                       key=lambda op: _TYPE_ORDER[op.memory_type])) + "\n"
+
+
 def canonical_response(response: ParsedResponse) -> str:
-  """A valid response rewritten in the grammar's form: CORE, EPISODIC,
-  SEMANTIC, PROCEDURAL lines (each type's lines in their order), a
-  newline after every line."""
-  operations = sorted(response.operations,
-                      key=lambda op: _TYPE_ORDER[op.memory_type])
-  return render(operations) + "\n"
+  """A valid response rewritten in the grammar's form (`canonical_text`)."""
+  return canonical_text(response.operations)
 
 
 def trajectories(dialogue: Dialogue, encoder: Encoder, respond: Responder,
@@ -86,33 +94,57 @@ def trajectories(dialogue: Dialogue, encoder: Encoder, respond: Responder,
   return records, len(steps) - len(records)
 
 
+def teacher_trajectories(dialogues: Iterable[Dialogue], encoder: Encoder,
+                         responder: Callable[[Dialogue], Responder],
+                         memory: Any, top_k: int, source: str,
+                         fits: PromptFits | None = None
+                         ) -> tuple[list[dict[str, Any]], int]:
+  """`trajectories` of every dialogue, `responder(dialogue)` the teacher
+  (`annotation_responder`, `extractive_teacher(...)` or
+  `endpoint_teacher(...)`); `source` names it in each record."""
+  records, rejected = [], 0
+  for dialogue in dialogues:
+    out, bad = trajectories(dialogue, encoder, responder(dialogue), memory,
+                            top_k, source, fits)
+    records += out
+    rejected += bad
+  return records, rejected
+
+
 def annotation_trajectories(dialogues: Iterable[Dialogue], encoder: Encoder,
                             memory: Any, top_k: int,
                             fits: PromptFits | None = None
                             ) -> tuple[list[dict[str, Any]], int]:
   """Teacher = LoCoMo's observation / event_summary annotations."""
-  records, rejected = [], 0
-  for dialogue in dialogues:
-    out, bad = trajectories(dialogue, encoder, annotation_responder(dialogue),
-                            memory, top_k, "annotations", fits)
-    records += out
-    rejected += bad
-  return records, rejected
+  return teacher_trajectories(dialogues, encoder, annotation_responder,
+                              memory, top_k, "annotations", fits)
 
 
-def teacher_trajectories(dialogues: Iterable[Dialogue], encoder: Encoder,
-                         chat: ChatModel, memory: Any, top_k: int,
-                         name: str, fits: PromptFits | None = None
-                         ) -> tuple[list[dict[str, Any]], int]:
+def extractive_teacher(response_fits: ResponseFits | None = None
+                       ) -> Callable[[Dialogue], Responder]:
+  """Teacher = the user's own sentences (`memory.extractive`), as many as
+  `response_fits` accepts; any dataset."""
+  def responder(dialogue: Dialogue) -> Responder:
+    del dialogue
+    def respond(bank: MemoryBank, session: Session) -> ParsedResponse:
+      del bank
+      ops = extractive_operations(session, response_fits)
+      return dataclasses.replace(parse(render(ops)), operations=tuple(ops))
+    return respond
+  return responder
+
+
+def endpoint_teacher(chat: ChatModel, encoder: Encoder, top_k: int
+                     ) -> Callable[[Dialogue], Responder]:
   """Teacher = any chat model answering the policy prompt."""
-  records, rejected = [], 0
-  for dialogue in dialogues:
-    out, bad = trajectories(dialogue, encoder,
-                            policy_responder(chat, encoder, top_k), memory,
-                            top_k, f"teacher:{name}", fits)
-    records += out
-    rejected += bad
-  return records, rejected
+  return lambda dialogue: policy_responder(chat, encoder, top_k)
+
+
+def response_budget(tokenizer: Any, max_tokens: int) -> ResponseFits:
+  """`ResponseFits` for canonical responses of at most `max_tokens`
+  tokens, EOS included (a rollout's `max_new_tokens`)."""
+  return lambda ops: len(tokenizer.encode(
+      canonical_text(ops), add_special_tokens=False)) + 1 <= max_tokens
 
 
 def token_budget(tokenizer: Any, max_prompt_tokens: int) -> PromptFits:
@@ -184,9 +216,13 @@ def _examples(path: str, tokenizer: Any, max_prompt: int, max_response: int
   return examples, too_long
 
 
-def run_sft(config, workdir: str) -> list[dict[str, Any]]:
+def run_sft(config, workdir: str,
+            echo: Callable[[str], None] | None = None
+            ) -> list[dict[str, Any]]:
   """Trains (or resumes) the warm start in `workdir`; returns this run's
-  metrics. The batch of step s is a pure function of s and the seed."""
+  metrics. The batch of step s is a pure function of s and the seed.
+  `echo` (e.g. `print`) receives one line per step instead of the
+  progress bar."""
   validate_config(config, required=("policy", "sft"))
   lock = WorkdirLock(workdir, "sft")
   if jax.process_index() == 0:
@@ -232,7 +268,7 @@ def run_sft(config, workdir: str) -> list[dict[str, Any]]:
   buckets = tuple(sft.buckets)
   pad = int(tokenizer.pad_token_id or 0)
   writer = MetricsWriter(workdir, total, tensorboard=config.tensorboard,
-                         start_step=step)
+                         start_step=step, progress=False if echo else None)
   history = []
 
   def save(epoch: int) -> None:
@@ -265,15 +301,20 @@ def run_sft(config, workdir: str) -> list[dict[str, Any]]:
                      wall_s=time.perf_counter() - start)
       writer.write(step, metrics)
       history.append(metrics)
+      if echo:
+        echo(f"warm start step {step}/{total}: nll {metrics['nll']:.4f} "
+             f"({metrics['wall_s']:.1f} s)")
       if step % config.checkpoint.every_steps == 0 or step == total:
         save(epoch)
   return history
 
 
-def summary_text(history: Sequence[dict[str, Any]]) -> str:
-  """The warm start's loss curve, one line per step."""
-  lines = ["step      loss       nll"]
-  nan = float("nan")
-  lines += [f"{m['step']:4d}  {m.get('loss', nan):8.4f}  "
-            f"{m.get('nll', nan):8.4f}" for m in history]
-  return "\n".join(lines)
+def summary_line(history: Sequence[dict[str, Any]], workdir: str) -> str:
+  """The warm start's NLL from its first to its last step, and how GRPO
+  starts from it."""
+  if not history:
+    return f"no warm start steps in {workdir}"
+  first, last = history[0], history[-1]
+  return (f"warm start: nll {first['nll']:.4f} (step {first['step']}) -> "
+          f"{last['nll']:.4f} (step {last['step']}); GRPO from it: "
+          f"--config.policy.init_checkpoint={workdir}")

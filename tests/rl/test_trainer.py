@@ -4,6 +4,7 @@ checkpoint resume."""
 import dataclasses
 import functools
 import glob
+import logging
 import math
 import os
 
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl import logging as absl_logging
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -448,6 +450,16 @@ def test_keep_period_keeps_every_kth_step_for_selection(tmp_path):
   with pytest.raises(FileNotFoundError, match="step 15"):
     reader.restore_params(learner.params, step=15)
   assert reader.steps() == [10, 20, 25]  # Reading deletes nothing.
+
+
+def test_opening_a_directory_read_only_does_not_warn(tmp_path, caplog):
+  """orbax warns that a read-only directory is read-only; we asked."""
+  (tmp_path / "ckpt").mkdir()
+  with caplog.at_level(logging.WARNING):
+    Checkpointer(str(tmp_path / "ckpt"), read_only=True)
+    absl_logging.warning("checkpoint %d in %s is unreadable", 3, "x")
+  assert [r.getMessage() for r in caplog.records] == [
+      "checkpoint 3 in x is unreadable"]  # Other warnings still show.
 
 
 def test_a_non_finite_step_is_skipped_and_counted():

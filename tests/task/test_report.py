@@ -61,4 +61,5 @@ def test_summary_has_the_reward_table_and_the_session(locomo_dialogues):
   assert about.startswith(f"{len(episode.session.turns)} turns: \"")
   text = summary_text(history, "conv-26/0", about, ["+ [core] a"], ["b"])
   assert "--- session conv-26/0 (" in text and text.endswith(
-      "memory written after training:\nb")
+      "memory written after GRPO:\nb")
+  assert "memory written before GRPO (the loaded model):\n+ [core] a" in text

@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 
 from cmimem_jax.config import apply_overrides
+from cmimem_jax.data import bundled_path
 from cmimem_jax.encoders import HashingEncoder
 from cmimem_jax.memory import MemoryBank, apply_response
 from cmimem_jax.memory.dsl import parse, response_regex
 from cmimem_jax.rl import Checkpointer, read_metrics
 from cmimem_jax.sampling import encode_chat, load_tokenizer
 from cmimem_jax.task.loop import Trainer
-from cmimem_jax.task.warm_start import run_sft, write_jsonl
+from cmimem_jax.task import warm_start
+from cmimem_jax.task.warm_start import run_sft, summary_line, write_jsonl
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
@@ -62,6 +64,45 @@ def test_annotation_trajectories_are_valid_and_apply(tmp_path, locomo_path):
   assert all(n <= budget or k == 0 for n, k in zip(lengths, shown))
 
 
+def test_extractive_trajectories_fit_the_rollout_budget(tmp_path):
+  """`make demo`'s teacher: every bundled session, each response within
+  the 80-token rollout (EOS included) and in the grammar's form."""
+  tool = load_module("make_sft_data",
+                     os.path.join(ROOT, "tools", "make_sft_data.py"))
+  output = tmp_path / "sft.jsonl"
+  common = ["--dataset=longmemeval", f"--input={bundled_path()}",
+            f"--output={output}", "--encoder=hashing", "--dim=32"]
+  summary = tool.main(["--teacher=extractive", "--max_response_tokens=80",
+                       *common])
+  records = [json.loads(line) for line in output.read_text().splitlines()]
+  assert summary["records"] == len(records) == 15  # The sample's sessions.
+  assert summary["rejected"] == 0 and {r["source"] for r in records} == {
+      "extractive"}
+  tokenizer = load_tokenizer("")
+  grammar = re.compile(response_regex())
+  for record in records:
+    assert grammar.fullmatch(record["response"]), record["response"]
+    assert len(tokenizer.encode(record["response"],
+                                add_special_tokens=False)) + 1 <= 80
+  # `make demo`'s warm start trains on every one of them.
+  demo = load_module("default", os.path.join(ROOT, "configs", "default.py")
+                     ).get_config()
+  assert demo.sft.max_response_tokens == demo.rollout.max_new_tokens == 80
+  examples, too_long = warm_start._examples(
+      str(output), tokenizer, demo.sft.max_prompt_tokens,
+      demo.sft.max_response_tokens)
+  assert too_long == 0 and len(examples) == 15
+  unbounded = tool.main(["--teacher=extractive", *common])
+  longer = [json.loads(line) for line in output.read_text().splitlines()]
+  assert unbounded["records"] == 15 and sum(
+      len(b["response"]) > len(a["response"])
+      for a, b in zip(records, longer)) > 0
+  for wrong in (["--teacher=extractive", "--base_url=http://x/v1"],
+                ["--max_response_tokens=80"]):
+    with pytest.raises(SystemExit):
+      tool.main([*wrong, *common])
+
+
 def tiny_config(tmp_path, **overrides):
   config = load_module("tiny", os.path.join(ROOT, "configs", "tiny.py")
                        ).get_config()
@@ -84,8 +125,13 @@ def tiny_config(tmp_path, **overrides):
 @pytest.mark.slow
 def test_sft_then_constrained_grpo_from_its_checkpoint(tmp_path):
   sft_dir = str(tmp_path / "sft")
-  history = run_sft(tiny_config(tmp_path), sft_dir)
+  lines = []
+  history = run_sft(tiny_config(tmp_path), sft_dir, echo=lines.append)
   assert [m["step"] for m in read_metrics(sft_dir)] == [1, 2, 3]
+  assert [line.split(":")[0] for line in lines] == [
+      f"warm start step {s}/3" for s in (1, 2, 3)]
+  assert summary_line(read_metrics(sft_dir), sft_dir).endswith(
+      f"(step 3); GRPO from it: --config.policy.init_checkpoint={sft_dir}")
   assert history[-1]["nll"] < history[0]["nll"]
   resumed = run_sft(tiny_config(tmp_path, **{"sft.max_steps": 4}), sft_dir)
   assert len(resumed) == 1  # Steps 1-3 come from the checkpoint.
