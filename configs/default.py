@@ -49,4 +49,7 @@ def get_config():
       "weight_decay": 0.0, "grad_clip_norm": 1.0,
       "max_prompt_tokens": 640, "max_response_tokens": 80,
       "trim_retrieved": False, "buckets": (640,), "logprob_chunk": 128})
+  # One checkpoint per stage (params + AdamW state: 1.4 GB each); the
+  # demo resumes from it, and nothing selects among its steps.
+  config.checkpoint.keep = 1
   return config
