@@ -110,9 +110,9 @@ def main(argv: list[str] | None = None) -> dict:
         base_url=args.base_url, model=args.model)), encoder, args.top_k)
     source = f"teacher:{args.model}"
   elif teacher == "extractive":
-    responder = extractive_teacher(response_budget(
-        tokenizer, args.max_response_tokens)
-                                   if args.max_response_tokens else None)
+    budget = (response_budget(tokenizer, args.max_response_tokens)
+              if args.max_response_tokens else None)
+    responder = extractive_teacher(budget)
     source = "extractive"
   else:
     responder, source = annotation_responder, "annotations"

@@ -184,6 +184,23 @@ def render(operations: Iterable[Operation]) -> str:
   return "\n".join(lines)
 
 
+
+def rendered_response(operations: Iterable[Operation]) -> ParsedResponse:
+  """The parsed response a model writing `operations` would give, each
+  operation keeping its provenance (`turn_ids`, which the DSL text does
+  not carry; each keeps its line and span in the text): what a model-free
+  policy (annotations, extractive) returns.
+
+  Raises:
+    ValueError: as `render`.
+  """
+  operations = tuple(operations)
+  response = parse(render(operations))
+  return dataclasses.replace(response, operations=tuple(
+      dataclasses.replace(parsed, turn_ids=op.turn_ids)
+      for parsed, op in zip(response.operations, operations)))
+
+
 # A DSL field: non-empty, no separator or line break, not starting with
 # blank space (so `field.strip()` is never empty). Unbounded on purpose:
 # bounded repeats blow up the token automaton (SPEC §3.3); lengths are

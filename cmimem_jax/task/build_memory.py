@@ -14,7 +14,6 @@ category.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import os
 import time
@@ -25,24 +24,19 @@ from cmimem_jax.cmi import RewardComputer, RewardConfig, RolloutInput
 from cmimem_jax.config import ConfigError, qa_chunk_budget, validate_config
 from cmimem_jax.data import Dialogue, WorkdirLock, load_configured, path_under
 from cmimem_jax.encoders import Encoder, make_encoder
-from cmimem_jax.memory import MemoryBank, lookup_chunks, parse, render
+from cmimem_jax.memory import MemoryBank, lookup_chunks
 from cmimem_jax.memory.annotations import locomo_annotation_operations
 from cmimem_jax.memory.bank import embed_texts
 from cmimem_jax.memory.builder import BuildStep, Responder
 from cmimem_jax.memory.builder import build_bank as run_policy
-from cmimem_jax.memory.dsl import ParsedResponse
+from cmimem_jax.memory.dsl import ParsedResponse, rendered_response
 
 
 def annotation_responder(dialogue: Dialogue) -> Responder:
   """The LoCoMo annotation policy as a responder (DSL render -> parse)."""
   def respond(bank: MemoryBank, session) -> ParsedResponse:
     del bank
-    ops = locomo_annotation_operations(dialogue, session)
-    response = parse(render(ops))
-    # The DSL carries no turn ids; re-attach the policy's provenance.
-    return dataclasses.replace(response, operations=tuple(
-        dataclasses.replace(parsed, turn_ids=op.turn_ids)
-        for parsed, op in zip(response.operations, ops)))
+    return rendered_response(locomo_annotation_operations(dialogue, session))
   return respond
 
 

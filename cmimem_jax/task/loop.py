@@ -523,7 +523,7 @@ def train(config, workdir: str,
   facts = json.dumps({"steps": loop.loop["step"],
                       "resumed_from": loop.resumed_from,
                       "wall_s": round(time.perf_counter() - start, 1)})
-  start = (f"the warm start in {config.policy.init_checkpoint}"
-           if config.policy.init_checkpoint else "the loaded model")
+  started_from = (f"the warm start in {config.policy.init_checkpoint}"
+                  if config.policy.init_checkpoint else "the loaded model")
   return summary_text(history, demo_session, session_line(demo), *written,
-                      start=start) + "\n" + facts
+                      start=started_from) + "\n" + facts

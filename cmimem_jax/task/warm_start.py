@@ -19,7 +19,6 @@ the result (`rl.load_model_weights`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import time
@@ -40,7 +39,7 @@ from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.evaluation.builders import policy_responder
 from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.builder import Responder, build_bank
-from cmimem_jax.memory.dsl import ParsedResponse, parse, render
+from cmimem_jax.memory.dsl import ParsedResponse, render, rendered_response
 from cmimem_jax.memory.extractive import ResponseFits, extractive_operations
 from cmimem_jax.memory.types import MemoryType, Operation
 from cmimem_jax.parallel import batch_divisor, make_mesh
@@ -128,8 +127,7 @@ def extractive_teacher(response_fits: ResponseFits | None = None
     del dialogue
     def respond(bank: MemoryBank, session: Session) -> ParsedResponse:
       del bank
-      ops = extractive_operations(session, response_fits)
-      return dataclasses.replace(parse(render(ops)), operations=tuple(ops))
+      return rendered_response(extractive_operations(session, response_fits))
     return respond
   return responder
 

@@ -4,7 +4,7 @@ import re
 from cmimem_jax.data import bundled_path, load_dataset
 from cmimem_jax.data.types import Session, Turn
 from cmimem_jax.memory import MemoryType, parse, render
-from cmimem_jax.memory.dsl import response_regex
+from cmimem_jax.memory.dsl import rendered_response, response_regex
 from cmimem_jax.memory.extractive import extractive_operations
 from cmimem_jax.memory.types import Action
 
@@ -65,3 +65,10 @@ def test_every_bundled_session_gives_a_response_the_grammar_accepts():
     for session in dialogue.sessions:
       text = render(extractive_operations(session)) + "\n"
       assert parse(text).valid and re.fullmatch(grammar, text), text
+
+
+def test_the_teachers_response_keeps_each_entrys_turn():
+  response = rendered_response(extractive_operations(SESSION))
+  assert response.valid
+  assert [(o.turn_ids, o.line) for o in response.operations] == [
+      (("s1:0",), 0), (("s1:2",), 1), (("s1:3",), 2), ((), 3), ((), 4)]
