@@ -32,7 +32,8 @@ def get_config():
   # shortest valid response is 33 tokens with this tokenizer; 80 leave
   # room for content, and the token budget ends every row in time.
   config.rollout.update({"num_rollouts": 2, "temperature": 0.8, "top_p": 0.9,
-                         "max_new_tokens": 80, "buckets": (768,),
+                         "max_new_tokens": 80, "max_prompt_tokens": 768,
+                         "buckets": (768,),
                          "constrained_dsl": True})
   config.rl.update({"max_steps": 3, "learning_rate": 1e-5,
                     "warmup_steps": 0})

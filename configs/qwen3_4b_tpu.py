@@ -35,7 +35,5 @@ def get_config() -> ml_collections.ConfigDict:
   config.encoder.kind = "qwen3_embedding"
   config.policy.update({"dtype": "bfloat16", "param_dtype": "float32",
                         "remat": "full", "attention_impl": "auto"})
-  config.rollout.update({"engine": "jax",
-                         "buckets": (4096, 8192, 12288, 16384, 20000),
-                         "max_rows_per_wave": 128})
+  config.rollout.update({"engine": "jax", "max_rows_per_wave": 128})
   return config

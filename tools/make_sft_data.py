@@ -37,7 +37,8 @@ from cmimem_jax.client import EndpointConfig, OpenAIClient  # noqa: E402
 from cmimem_jax.config import memory_defaults  # noqa: E402
 from cmimem_jax.data import load_dataset  # noqa: E402
 from cmimem_jax.encoders import make_encoder  # noqa: E402
-from cmimem_jax.sampling import load_tokenizer  # noqa: E402
+from cmimem_jax.sampling import (load_tokenizer,  # noqa: E402
+                                 policy_tokenizer_path)
 from cmimem_jax.task.build_memory import annotation_responder  # noqa: E402
 from cmimem_jax.task.warm_start import (  # noqa: E402
     endpoint_teacher, extractive_teacher,
@@ -100,8 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
   memory = memory_defaults()
   tokenizer = None
   if args.max_prompt_tokens > 0 or args.max_response_tokens > 0:
-    tokenizer = load_tokenizer(args.tokenizer
-                               or default.get_config().policy.tokenizer)
+    tokenizer = load_tokenizer(
+        args.tokenizer or policy_tokenizer_path(default.get_config().policy))
   fits = None
   if args.max_prompt_tokens > 0:
     fits = token_budget(tokenizer, args.max_prompt_tokens)

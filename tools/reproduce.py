@@ -74,7 +74,8 @@ from cmimem_jax.evaluation.run import evaluate, read_records  # noqa: E402
 from cmimem_jax.memory import MemoryBank  # noqa: E402
 from cmimem_jax.memory.types import ENTRY_TYPES  # noqa: E402
 from cmimem_jax.rl import read_metrics  # noqa: E402
-from cmimem_jax.sampling import load_tokenizer  # noqa: E402
+from cmimem_jax.sampling import (load_tokenizer,  # noqa: E402
+                                 policy_tokenizer_path)
 from cmimem_jax.task.loop import train  # noqa: E402
 from cmimem_jax.task.warm_start import (annotation_trajectories,  # noqa: E402
                                         run_sft, token_budget, trimmed_count,
@@ -685,7 +686,7 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
 
   def teacher() -> None:
     top_k = config.rollout.retrieval_top_k
-    fits = (token_budget(load_tokenizer(config.policy.tokenizer),
+    fits = (token_budget(load_tokenizer(policy_tokenizer_path(config.policy)),
                          config.sft.max_prompt_tokens)
             if config.sft.trim_retrieved else None)
     records, rejected = annotation_trajectories(

@@ -97,13 +97,17 @@ def make_chat_model(section: Any, constraint_regex: str | None = None
   from cmimem_jax.models.qwen3 import load_gguf, load_hf
   from cmimem_jax.models.qwen3.params import smollm2_gguf_path
   from cmimem_jax.rl import load_model_weights
-  from cmimem_jax.sampling import ChatPolicy, TokenConstraint, load_tokenizer
+  from cmimem_jax.sampling import (ChatPolicy, TokenConstraint,
+                                   check_vocabulary,
+                                   checkpoint_tokenizer_path, load_tokenizer)
   path = section.path or smollm2_gguf_path()
+  # The checkpoint's own tokenizer, as training reads it.
+  tokenizer = load_tokenizer(checkpoint_tokenizer_path(path))
   model = load_hf(path) if os.path.isdir(path) else load_gguf(path)
+  check_vocabulary(tokenizer, model.config.vocab_size, path)
   if section.init_checkpoint:  # E.g. a `train` or `sft` workdir.
     load_model_weights(model, section.init_checkpoint,
                        section.checkpoint_step)
-  tokenizer = load_tokenizer(path)
   constraint = (None if constraint_regex is None else
                 TokenConstraint.from_regex(constraint_regex, tokenizer))
   return ChatPolicy.jax(

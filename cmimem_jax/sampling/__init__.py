@@ -6,11 +6,18 @@ loop, evaluation and the server generate through."""
 
 from cmimem_jax.sampling.constraint import TokenConstraint
 from cmimem_jax.sampling.engine import GenerationEngine
-from cmimem_jax.sampling.policy import (ChatPolicy, encode_chat, load_policy,
-                                        load_tokenizer, special_ids)
+from cmimem_jax.sampling.policy import (ChatPolicy, check_vocabulary,
+                                        checkpoint_tokenizer_path,
+                                        encode_chat, load_policy,
+                                        load_policy_and_tokenizer,
+                                        load_tokenizer, policy_tokenizer_path,
+                                        special_ids)
 from cmimem_jax.sampling.sampler import (SampleOutput, Sampler, SamplingConfig,
                                          bucket_length, left_pad, sample_token)
 
 __all__ = ["ChatPolicy", "GenerationEngine", "SampleOutput", "Sampler",
-           "SamplingConfig", "bucket_length", "encode_chat", "left_pad", "load_policy",
-           "load_tokenizer", "sample_token", "special_ids", "TokenConstraint"]
+           "SamplingConfig", "bucket_length", "check_vocabulary",
+           "checkpoint_tokenizer_path", "encode_chat", "left_pad",
+           "load_policy", "load_policy_and_tokenizer", "load_tokenizer",
+           "policy_tokenizer_path", "sample_token", "special_ids",
+           "TokenConstraint"]

@@ -4,6 +4,7 @@ interface (`chat_many`) that evaluation and the server use."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,10 @@ from cmimem_jax.sampling.constraint import TokenConstraint
 from cmimem_jax.sampling.engine import GenerationEngine
 from cmimem_jax.sampling.sampler import (DEFAULT_BUCKETS, SampleOutput,
                                          Sampler, SamplingConfig)
+
+
+# Files from which `AutoTokenizer` builds a tokenizer (any one suffices).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(path: str) -> Any:
@@ -52,6 +57,55 @@ def load_policy(section: Any, vocab_size: int) -> Qwen3:
     return load_hf(section.path, Qwen3Config.from_pretrained(section.path,
                                                              **runtime))
   raise ValueError(f"unknown policy.source {section.source!r}")
+
+
+def checkpoint_tokenizer_path(path: str) -> str:
+  """The tokenizer that belongs to model checkpoint `path` (a GGUF file
+  carries its own; an HF folder must hold tokenizer files; "" = the
+  embedded SmolLM2). Raises ValueError for an HF folder without them:
+  another model's tokenizer would silently give wrong token ids."""
+  if path and os.path.isdir(path) and not any(
+      os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+    raise ValueError(
+        f"{path} holds no tokenizer ({' / '.join(TOKENIZER_FILES)}): copy "
+        "the checkpoint's tokenizer files there or name one with "
+        "policy.tokenizer")
+  return path
+
+
+def policy_tokenizer_path(section: Any) -> str:
+  """Where the `policy` section's tokenizer comes from: `tokenizer` when
+  set; else the checkpoint's own for the `hf` and `gguf` sources; else
+  (`random`) the embedded SmolLM2's."""
+  if section.tokenizer:
+    return section.tokenizer
+  if section.source in ("hf", "gguf"):
+    return checkpoint_tokenizer_path(section.path)
+  return ""
+
+
+def check_vocabulary(tokenizer: Any, vocab_size: int, model: str) -> None:
+  """Raises ValueError, naming both sizes, when `tokenizer` has ids the
+  model's embedding table (`vocab_size` rows) lacks."""
+  if len(tokenizer) > vocab_size:
+    raise ValueError(
+        f"the tokenizer has {len(tokenizer)} tokens but {model}'s embedding "
+        f"table has {vocab_size} rows: they belong to different models")
+
+
+def load_policy_and_tokenizer(section: Any) -> tuple[Qwen3, Any]:
+  """The policy of the `policy` config section and its tokenizer, their
+  vocabularies checked against each other (an HF checkpoint's before its
+  weights are read)."""
+  tokenizer = load_tokenizer(policy_tokenizer_path(section))
+  name = section.path or f"the {section.source} policy"
+  if section.source == "hf":
+    check_vocabulary(tokenizer,
+                     Qwen3Config.from_pretrained(section.path).vocab_size,
+                     name)
+  model = load_policy(section, len(tokenizer))
+  check_vocabulary(tokenizer, model.config.vocab_size, name)
+  return model, tokenizer
 
 
 def encode_chat(tokenizer: Any, messages: Messages) -> list[int]:

@@ -22,7 +22,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cmimem_jax.encoders import make_encoder
-from cmimem_jax.sampling import ChatPolicy, load_policy, load_tokenizer
+from cmimem_jax.sampling import ChatPolicy, load_policy_and_tokenizer
 from cmimem_jax.serving.app import Limits, make_app
 from cmimem_jax.serving.batcher import ChatBatcher
 
@@ -89,11 +89,10 @@ class Server:
     # chat requests answer 503 (a client never waits on a compile).
     self.ready = threading.Event()
     if serve.chat:
-      tokenizer = load_tokenizer(config.policy.tokenizer)
+      model, tokenizer = load_policy_and_tokenizer(config.policy)
       # Requests are unrelated rows: no prompt sharing, so the compiled
       # programs depend on the batch size alone (warm-up included).
-      policy = ChatPolicy.jax(load_policy(config.policy, len(tokenizer)),
-                              tokenizer, serve.max_prompt_tokens,
+      policy = ChatPolicy.jax(model, tokenizer, serve.max_prompt_tokens,
                               tuple(serve.buckets), share_prompts=False,
                               prompt_limit_name="serve.max_prompt_tokens")
       self.batcher = ChatBatcher(policy, serve.max_new_tokens,

@@ -53,8 +53,8 @@ from cmimem_jax.rl import (Checkpointer, GRPOLossConfig, Learner,
                            group_advantages, load_model_weights, read_metrics,
                            recompute_logprobs,
                            rollout_batch)
-from cmimem_jax.sampling import (ChatPolicy, TokenConstraint, load_policy,
-                                 load_tokenizer, special_ids)
+from cmimem_jax.sampling import (ChatPolicy, TokenConstraint,
+                                 load_policy_and_tokenizer, special_ids)
 from cmimem_jax.sampling.vllm_engine import (VLLMEngine, checkpoint_dir,
                                              import_vllm)
 from cmimem_jax.task.curriculum import (Curriculum, SessionRef,
@@ -86,6 +86,7 @@ def _check_training(c) -> None:
   for name in ("max_new_tokens", "max_prompt_tokens"):
     c.check(f"rollout.{name}", lambda v: isinstance(v, int) and v > 0,
             "a positive integer")
+  _check_buckets(c)
   c.check("rl.sessions_per_batch", lambda v: isinstance(v, int) and v > 0,
           "a positive integer")
   c.check("rl.learning_rate", lambda v: finite_number(v) and v > 0,
@@ -153,6 +154,27 @@ def _check_training(c) -> None:
 register_section("rl", _check_training)
 
 
+def _check_buckets(c) -> None:
+  """Prompts are left-padded to `rollout.buckets` (ascending; the largest
+  must hold `rollout.max_prompt_tokens`, or a valid prompt is refused
+  mid-run). vLLM may take none: its rows then reach the learner padded to
+  the batch's longest prompt (a train step compiled per length)."""
+  buckets, longest = c.get("rollout.buckets"), c.get(
+      "rollout.max_prompt_tokens")
+  if not isinstance(buckets, (tuple, list)) or not all(
+      isinstance(b, int) and b > 0 for b in buckets) or list(
+          buckets) != sorted(set(buckets)):
+    c.problems.append(f"rollout.buckets={buckets!r}: must be ascending "
+                      "positive token counts")
+  elif not buckets:
+    if c.get("rollout.engine") != "vllm":
+      c.problems.append("rollout.buckets=(): the JAX engine needs buckets "
+                        "(one compiled sampler per bucket)")
+  elif isinstance(longest, int) and buckets[-1] < longest:
+    c.problems.append(f"rollout.buckets={tuple(buckets)}: the largest must "
+                      f"hold rollout.max_prompt_tokens={longest}")
+
+
 def training_dialogues(dataset: Any) -> list[Dialogue]:
   """The dialogues a training job reads from its `dataset` section (its
   split, the first `dialogues` of them; 0 = all)."""
@@ -213,8 +235,7 @@ class Trainer:
     self.mesh = make_mesh(config.mesh)
     self.dialogues = training_dialogues(config.dataset)
     self.encoder = make_encoder(config.encoder)
-    tokenizer = load_tokenizer(config.policy.tokenizer)
-    model = load_policy(config.policy, len(tokenizer))
+    model, tokenizer = load_policy_and_tokenizer(config.policy)
     if config.policy.init_checkpoint:  # The KL reference starts here too.
       load_model_weights(model, config.policy.init_checkpoint)
     needed = config.rollout.max_prompt_tokens + config.rollout.max_new_tokens

@@ -46,8 +46,8 @@ from cmimem_jax.parallel import batch_divisor, make_mesh
 from cmimem_jax.rl import (Checkpointer, Learner, MetricsWriter,
                            OptimizerConfig, SFTLossConfig, StopSignals,
                            TrainStepConfig, supervised_batch)
-from cmimem_jax.sampling import (bucket_length, encode_chat, load_policy,
-                                 load_tokenizer)
+from cmimem_jax.sampling import (bucket_length, encode_chat,
+                                 load_policy_and_tokenizer)
 from cmimem_jax.task.build_memory import annotation_responder
 from cmimem_jax.task.episode import PromptFits, fitted_policy_messages
 
@@ -230,7 +230,7 @@ def run_sft(config, workdir: str,
     write_config(config, workdir)
   sft = config.sft
   mesh = make_mesh(config.mesh)
-  tokenizer = load_tokenizer(config.policy.tokenizer)
+  model, tokenizer = load_policy_and_tokenizer(config.policy)
   examples, too_long = _examples(sft.data, tokenizer, sft.max_prompt_tokens,
                                  sft.max_response_tokens)
   if too_long:
@@ -245,7 +245,6 @@ def run_sft(config, workdir: str,
   if len(examples) < rows:
     raise ValueError(f"{len(examples)} usable SFT examples < "
                      f"sft.batch_size={rows}")
-  model = load_policy(config.policy, len(tokenizer))
   learner = Learner(model, TrainStepConfig(
       loss=SFTLossConfig(),
       optimizer=OptimizerConfig(learning_rate=sft.learning_rate,
