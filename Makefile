@@ -28,7 +28,7 @@ PYTEST := $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 # and the tests run on the CPU. `JAX_PLATFORMS=cuda make demo` on a GPU.
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test test-fast install clean tunix-peer
+.PHONY: demo test test-fast install clean tunix-peer rehearsal
 
 install: $(STAMP)
 
@@ -57,6 +57,15 @@ demo: $(STAMP)
 	  --config.sft.data=$(DEMO)/warm_start.jsonl --workdir=$(DEMO)/warm_start
 	@$(PY) -m cmimem_jax.train --config=configs/default.py \
 	  --config.policy.init_checkpoint=$(DEMO)/warm_start --workdir=$(DEMO)/grpo
+
+# The paper's recipe end to end on this CPU (tools/rehearse.py): the 4B
+# configs' documented commands with stand-in checkpoints and endpoints,
+# changed only in sizes, paths and endpoints; a fresh workdir each time.
+REHEARSAL := $(WORKDIR)/rehearsal
+
+rehearsal: $(STAMP)
+	@rm -rf $(REHEARSAL)
+	@$(PY) tools/rehearse.py --workdir=$(REHEARSAL)
 
 test: $(STAMP) $(TUNIX_DIR)/.installed
 	$(PYTEST)

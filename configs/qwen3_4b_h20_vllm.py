@@ -6,6 +6,7 @@
       --config.policy.path=/ckpt/Qwen3-4B-Instruct-2507 \
       --config.dataset.path=/data/longmemeval_rl_split_qa.json \
       --config.encoder.endpoint.base_url=http://127.0.0.1:8001/v1 \
+      --config.rl.snapshots=/data/expert_states \
       --config.qa.answer.base_url=... --config.qa.judge_endpoint.base_url=...
 """
 

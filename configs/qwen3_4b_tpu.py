@@ -6,7 +6,12 @@ Pallas splash-attention kernel (`policy.attention_impl="auto"` on TPU).
       --config.policy.path=/ckpt/Qwen3-4B-Instruct-2507 \
       --config.encoder.path=/ckpt/Qwen3-Embedding-0.6B \
       --config.dataset.path=/data/longmemeval_rl_split_qa.json \
+      --config.rl.snapshots=/data/expert_states \
       --config.qa.answer.base_url=... --config.qa.judge_endpoint.base_url=...
+
+(`tools/build_expert_states.py` builds `/data/expert_states`;
+`tools/rehearse.py` runs this command on a CPU with sizes, paths and
+endpoints changed.)
 
 Table 7 as written (prompts up to 20,000 tokens, responses up to 6,000,
 32 sessions x 8 rollouts per step, 32 micro-batches) fits a v5p-8,

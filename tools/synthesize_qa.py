@@ -1,7 +1,7 @@
 """Synthesizes per-session QA pairs for RL training (paper Table 5; the
 MemBuilder protocol: single-session, multi-session and temporal questions).
 
-  python tools/synthesize_qa.py --input=DATA.json \
+  python tools/synthesize_qa.py --input=DATA.json --output=DATA_qa.json \
       --base_url=http://127.0.0.1:8000/v1 --model=NAME [--per_session=5]
 
 Reads LongMemEval-format records, asks an OpenAI-compatible chat model for

@@ -1,0 +1,430 @@
+"""The paper's recipe, rehearsed end to end on this CPU before a TPU run.
+
+Runs every stage a TPU user runs, as README.md and the configs' docstrings
+tell them to, each a real subprocess of the documented command with the
+same configs (`configs/qwen3_4b.py`, `configs/qwen3_4b_tpu.py` on 8 fake
+devices, `configs/eval_qwen3_4b.py`). Only sizes, paths and endpoints are
+overridden, all in `RECIPE_OVERRIDES` below (tests/test_rehearse.py checks
+each key against an allow-list, so a rehearsal cannot pass by changing
+behaviour).
+
+Stand-ins for what this machine lacks (`tools/standins.py`,
+`tools/scripted_llm.py`): random-weight HF checkpoints shaped like
+Qwen3-4B-Instruct and Qwen3-Embedding with their own tokenizer (not
+SmolLM2's: a tokenizer mix-up fails), our own server
+(`python -m cmimem_jax.serve`) as the QA answer model, and a scripted
+OpenAI-compatible endpoint for the teacher, the QA synthesizer and the
+judge, whose formats a tiny model cannot write.
+
+Stages: standins -> serve -> synthesize_qa -> build_expert_states -> train
+(SIGTERM in the middle of step 2, then the same command resumes; the
+metrics hold steps 1..N once each) -> evaluate (at a kept checkpoint step,
+the LLM judge; no transport failures) -> compare_paper. One line per stage,
+then a table; the exit status is non-zero and names the first stage that
+failed.
+
+  python tools/rehearse.py --workdir=DIR     # or: make rehearsal
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from scripted_llm import ScriptedLLM  # noqa: E402
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+PYTHON = sys.executable
+BUNDLED = os.path.join(REPO, "cmimem_jax", "data", "bundled",
+                       "longmemeval_train_sample.json")
+DEVICES = 8  # The fake CPU devices the TPU config's mesh (fsdp:-1) spans.
+TRAIN_STEPS = 3
+KEPT_STEP = 2  # checkpoint.keep_period: the step evaluation selects.
+
+# Where each stage's command is written, as a user reads it:
+# (file, the command's first words).
+DOCUMENTED = {
+    "serve": ("cmimem_jax/serve.py", "python -m cmimem_jax.serve"),
+    "synthesize_qa": ("tools/synthesize_qa.py", "python tools/synthesize_qa.py"),
+    "build_expert_states": ("tools/build_expert_states.py",
+                            "python tools/build_expert_states.py"),
+    "train": ("configs/qwen3_4b_tpu.py", "python -m cmimem_jax.train"),
+    "evaluate": ("configs/eval_qwen3_4b.py", "python -m cmimem_jax.evaluate"),
+    "compare_paper": ("tools/compare_paper.py", "python tools/compare_paper.py"),
+}
+# Every change to those commands, per stage, by flag: sizes, paths and
+# endpoints only ("config.X" flags override config fields). "{work}",
+# "{serve}", "{scripted}" and "{port}" are filled in at run time (the
+# workdir, our server's URL and port, the scripted endpoint's URL).
+CHECKPOINTS = {
+    "config.dataset.path": "{work}/data/rl_qa.json",
+    "config.encoder.path": "{work}/checkpoints/encoder",
+    # The bundled sample's ids are in none of LongMemEval's partitions.
+    "config.dataset.split": "all",
+}
+RECIPE_OVERRIDES: dict[str, dict[str, object]] = {
+    "synthesize_qa": {
+        "input": BUNDLED, "output": "{work}/data/rl_qa.json",
+        "base_url": "{scripted}", "model": "scripted",
+    },
+    "build_expert_states": {
+        **CHECKPOINTS, "output": "{work}/expert_states",
+        "base_url": "{scripted}", "model": "scripted",
+    },
+    "train": {
+        **CHECKPOINTS, "workdir": "{work}/train",
+        "config.policy.path": "{work}/checkpoints/policy",
+        "config.rl.snapshots": "{work}/expert_states",
+        "config.qa.answer.base_url": "{serve}",
+        "config.qa.answer.model": "cmimem-local",
+        "config.qa.judge_endpoint.base_url": "{scripted}",
+        "config.qa.answer.max_tokens": 32,
+        "config.qa.judge_endpoint.max_tokens": 64,
+        "config.rl.sessions_per_batch": 4, "config.rl.max_steps": TRAIN_STEPS,
+        "config.rl.micro_batches": 1, "config.rl.logprob_chunk": 128,
+        "config.rollout.num_rollouts": 2, "config.rollout.max_new_tokens": 24,
+        "config.rollout.max_prompt_tokens": 2048,
+        "config.rollout.buckets": (2048,),
+        "config.checkpoint.every_steps": 1, "config.checkpoint.keep": 1,
+        "config.checkpoint.keep_period": KEPT_STEP,
+    },
+    "evaluate": {
+        **CHECKPOINTS, "workdir": "{work}/eval",
+        "config.dataset.dialogues": 2,
+        "config.builder.path": "{work}/checkpoints/policy",
+        "config.builder.init_checkpoint": "{work}/train",
+        "config.builder.checkpoint_step": KEPT_STEP,
+        "config.builder.max_new_tokens": 24,
+        "config.builder.endpoint.max_tokens": 24,
+        "config.answer.endpoint.base_url": "{serve}",
+        "config.answer.endpoint.model": "cmimem-local",
+        "config.answer.endpoint.max_tokens": 32,
+        "config.judge.endpoint.base_url": "{scripted}",
+        "config.judge.endpoint.max_tokens": 64,
+        "config.memory.chunk_budget_chars": 4000,
+    },
+    "compare_paper": {"results": "{work}/eval"},
+}
+# Our server as the answer model: the stand-in policy, small shapes. (A
+# stand-in for an external LLM, not a config of the recipe.)
+SERVE_OVERRIDES = {
+    "port": "{port}",
+    "config.policy.source": "hf",
+    "config.policy.path": "{work}/checkpoints/policy",
+    "config.serve.embeddings": False, "config.serve.max_batch": 4,
+    "config.serve.max_new_tokens": 32, "config.serve.max_prompt_tokens": 8192,
+    "config.serve.buckets": (2048, 8192),
+    "config.serve.warm_up_prompt_tokens": (2048,),
+}
+# Values in a documented command that a user must replace.
+PLACEHOLDERS = re.compile(r"\.\.\.|\b(DIR|URL|NAME|HOST|DATA)\b|^/(data|ckpt|"
+                          r"runs)/|gs://")
+
+
+def documented_command(path: str, opening: str) -> list[str]:
+  """The command that starts with `opening` in file `path` (relative to
+  the repository), continuation lines joined and optional `[...]` parts
+  dropped, split into words."""
+  with open(os.path.join(REPO, path)) as f:
+    lines = f.read().splitlines()
+  for i, line in enumerate(lines):
+    if line.strip().startswith(opening):
+      parts = [line]
+      while parts[-1].rstrip().endswith("\\"):
+        parts.append(lines[i + len(parts)])
+      text = " ".join(p.rstrip().rstrip("\\") for p in parts)
+      return shlex.split(re.sub(r"\[[^\]]*\]", "", text))
+  raise ValueError(f"{path} documents no `{opening} ...` command")
+
+
+def _value(value: object) -> str:
+  if isinstance(value, tuple):
+    return "(" + ",".join(map(str, value)) + ("," if len(value) == 1 else
+                                              "") + ")"
+  return str(value)
+
+
+def apply_overrides(command: list[str], overrides: dict[str, object],
+                    fill: dict[str, str], strict: bool = True) -> list[str]:
+  """`command` with each `--flag=value` of `overrides` replaced (sizes may
+  be added) and `python` this interpreter. A placeholder left unset is an
+  error, and so (`strict`) is a path or endpoint the command does not
+  name: a user following it could not have set it."""
+  named = {w.removeprefix("--").partition("=")[0] for w in command}
+  for flag, value in overrides.items():
+    if strict and flag not in named and re.search(
+        r"\{(work|serve|scripted)\}", str(value)):
+      raise ValueError(f"the documented command has no --{flag}=..., which "
+                       "the run needs")
+  todo = dict(overrides)
+  out = [PYTHON if command[0] == "python" else command[0]]
+  for word in command[1:]:
+    flag, _, value = word.removeprefix("--").partition("=")
+    if word.startswith("--") and flag in todo:
+      value = _value(todo.pop(flag))
+    elif PLACEHOLDERS.search(value):
+      raise ValueError(f"the documented command leaves {word} to the user "
+                       "and the rehearsal sets no value for it")
+    out.append(f"--{flag}={value.format(**fill)}" if word.startswith("--")
+               else word)
+  out += [f"--{flag}={_value(v).format(**fill)}" for flag, v in todo.items()]
+  return out
+
+
+@dataclass
+class Stage:
+  name: str
+  seconds: float = 0.0
+  ok: bool = False
+  result: str = ""
+
+
+class StageFailed(RuntimeError):
+  """A stage's command failed; the message says how."""
+
+
+def _tail(text: str, lines: int = 6) -> str:
+  return " | ".join(text.strip().splitlines()[-lines:])
+
+
+def _run(command: list[str], log: str, env: dict[str, str],
+         timeout_s: float = 600) -> str:
+  """Runs `command` (stdout + stderr to `log`); its stdout's last line."""
+  with open(log, "w") as out:
+    done = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=out, text=True, timeout=timeout_s)
+  with open(log, "a") as out:
+    out.write(done.stdout)
+  if done.returncode:
+    with open(log) as f:
+      raise StageFailed(f"exit {done.returncode}: {_tail(f.read())}")
+  return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+  try:
+    with urllib.request.urlopen(url, timeout=2) as response:
+      return response.status == 200
+  except OSError:
+    return False
+
+
+def _metrics_steps(workdir: str) -> list[int]:
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line)["step"] for line in f if '"step"' in line]
+
+
+class Rehearsal:
+  """The stages over one workdir; `run()` returns the exit status."""
+
+  def __init__(self, workdir: str, echo: Callable[[str], None] = print):
+    self.work = os.path.abspath(workdir)
+    if os.path.exists(os.path.join(self.work, "train")):
+      raise ValueError(f"{self.work} already holds a rehearsal: use a new "
+                       "--workdir")
+    self.logs = os.path.join(self.work, "logs")
+    os.makedirs(self.logs, exist_ok=True)
+    self.echo = echo
+    self.stages: list[Stage] = []
+    self.fill = {"work": self.work}
+    self.env = dict(os.environ)
+    # Compiled programs survive the SIGTERM and the resume.
+    self.env.setdefault("JAX_COMPILATION_CACHE_DIR",
+                        os.path.join(self.work, "jax_cache"))
+    self.env.setdefault("JAX_PLATFORMS", "cpu")
+    self.env["XLA_FLAGS"] = (self.env.get("XLA_FLAGS", "") + " --xla_force_"
+                             f"host_platform_device_count={DEVICES}").strip()
+    self.server: subprocess.Popen | None = None
+
+  # --- stages ---------------------------------------------------------------
+
+  def standins(self) -> str:
+    paths = json.loads(_run(
+        [PYTHON, "tools/standins.py", f"--output={self.work}/checkpoints"],
+        self._log("standins"), self.env))
+    return f"policy and encoder checkpoints in {os.path.dirname(paths['policy'])}"
+
+  def serve_start(self) -> str:
+    port = _free_port()
+    self.fill.update(port=str(port), serve=f"http://127.0.0.1:{port}/v1")
+    self.server = subprocess.Popen(
+        apply_overrides(documented_command(*DOCUMENTED["serve"]),
+                        SERVE_OVERRIDES, self.fill, strict=False),
+        cwd=REPO, env=self.env, stdout=open(self._log("serve"), "w"),
+        stderr=subprocess.STDOUT, start_new_session=True)
+    return f"starting at {self.fill['serve']} (warms up in the background)"
+
+  def synthesize_qa(self) -> str:
+    os.makedirs(f"{self.work}/data", exist_ok=True)
+    line = _run(self._command("synthesize_qa"), self._log("synthesize_qa"),
+                self.env)
+    stats = json.loads(line)
+    if not stats.get("pairs") or stats.get("failed_sessions"):
+      raise StageFailed(f"synthesized {line}")
+    return f"{stats['pairs']} QA pairs for {stats['sessions']} sessions"
+
+  def build_expert_states(self) -> str:
+    line = _run(self._command("build_expert_states"),
+                self._log("build_expert_states"), self.env)
+    counts = json.loads(line)
+    return ", ".join(f"{k} {v}" for k, v in counts.items()
+                     if k not in ("output",) and not isinstance(v, dict))
+
+  def serve_ready(self, timeout_s: float = 300) -> str:
+    health = self.fill["serve"].removesuffix("/v1") + "/health"
+    deadline = time.monotonic() + timeout_s
+    while not _healthy(health):
+      if self.server.poll() is not None:
+        with open(self._log("serve")) as f:
+          raise StageFailed(f"server exited {self.server.returncode}: "
+                            f"{_tail(f.read())}")
+      if time.monotonic() > deadline:
+        raise StageFailed(f"{health} not 200 after {timeout_s:.0f} s")
+      time.sleep(1)
+    return f"{health} is 200"
+
+  def train(self) -> str:
+    workdir = f"{self.work}/train"
+    command = self._command("train")
+    log = self._log("train")
+    first = subprocess.Popen(command, cwd=REPO, env=self.env,
+                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    # Into step 2: step 1's metrics are written, step 2 is running.
+    while not _metrics_steps(workdir):
+      if first.poll() is not None:
+        with open(log) as f:
+          raise StageFailed(f"exit {first.returncode} before step 1 ended: "
+                            f"{_tail(f.read())}")
+      time.sleep(0.5)
+    time.sleep(1.0)
+    first.send_signal(signal.SIGTERM)
+    code = first.wait(timeout=300)
+    stopped_at = _metrics_steps(workdir)
+    if code != 128 + signal.SIGTERM:
+      raise StageFailed(f"SIGTERM'd train exited {code}, not "
+                        f"{128 + signal.SIGTERM}")
+    _run(command, self._log("train_resumed"), self.env)
+    steps = _metrics_steps(workdir)
+    if steps != list(range(1, TRAIN_STEPS + 1)):
+      raise StageFailed(f"metrics steps {steps} after the resume, not "
+                        f"1..{TRAIN_STEPS} once each")
+    return (f"SIGTERM after step {stopped_at[-1]} (exit {code}), resumed: "
+            f"steps {steps[0]}..{steps[-1]} once each")
+
+  def evaluate(self) -> str:
+    workdir = f"{self.work}/eval"
+    _run(self._command("evaluate"), self._log("evaluate"), self.env)
+    with open(os.path.join(workdir, "results.json")) as f:
+      results = json.load(f)
+    n, failures = results.get("n", 0), results.get("failures", -1)
+    calls = {role: results.get("call_failures", {}).get(role, {}).get(
+        "failed_calls", {}) for role in ("answer", "judge")}
+    unparseable = calls["judge"].pop("unparseable_verdict", 0)
+    if n < 1 or failures or any(calls.values()):
+      raise StageFailed(f"n={n}, failures={failures}, failed calls {calls}")
+    return (f"n={n} at step {KEPT_STEP}, 0 failures, 0 failed calls, "
+            f"{unparseable} unparseable verdicts")
+
+  def compare_paper(self) -> str:
+    _run(self._command("compare_paper"), self._log("compare_paper"),
+         self.env)
+    return f"tables in {self._log('compare_paper')}"
+
+  # --- driver ---------------------------------------------------------------
+
+  def _log(self, stage: str) -> str:
+    return os.path.join(self.logs, f"{stage}.log")
+
+  def _command(self, stage: str) -> list[str]:
+    """The stage's documented command with the rehearsal's overrides."""
+    return apply_overrides(documented_command(*DOCUMENTED[stage]),
+                           RECIPE_OVERRIDES[stage], self.fill)
+
+  def _stage(self, name: str, body: Callable[[], str]) -> bool:
+    stage = Stage(name)
+    started = time.monotonic()
+    try:
+      stage.result, stage.ok = body(), True
+    except (StageFailed, subprocess.TimeoutExpired, OSError, ValueError,
+            KeyError) as e:
+      stage.result = f"FAILED: {e}"
+    stage.seconds = time.monotonic() - started
+    self.stages.append(stage)
+    self.echo(f"[{len(self.stages)}] {name:<20} {stage.seconds:6.1f} s  "
+              f"{stage.result}")
+    return stage.ok
+
+  @contextlib.contextmanager
+  def _endpoints(self) -> Iterator[None]:
+    with ScriptedLLM() as scripted:
+      self.fill["scripted"] = scripted.base_url
+      try:
+        yield
+      finally:
+        if self.server is not None and self.server.poll() is None:
+          os.killpg(self.server.pid, signal.SIGINT)
+          try:
+            self.server.wait(timeout=30)
+          except subprocess.TimeoutExpired:
+            os.killpg(self.server.pid, signal.SIGKILL)
+
+  def run(self) -> int:
+    plan = [("standins", self.standins), ("serve", self.serve_start),
+            ("synthesize_qa", self.synthesize_qa),
+            ("build_expert_states", self.build_expert_states),
+            ("serve_ready", self.serve_ready), ("train", self.train),
+            ("evaluate", self.evaluate), ("compare_paper", self.compare_paper)]
+    started = time.monotonic()
+    with self._endpoints():
+      for name, body in plan:
+        if not self._stage(name, body):
+          break
+    total = time.monotonic() - started
+    self.echo("\n| stage | seconds | result |\n|---|---:|---|")
+    for stage in self.stages:
+      self.echo(f"| {stage.name} | {stage.seconds:.1f} | {stage.result} |")
+    self.echo(f"| total | {total:.1f} | |")
+    failed = [s.name for s in self.stages if not s.ok]
+    if failed:
+      self.echo(f"rehearsal failed at stage {failed[0]} (logs: {self.logs})")
+      return 1
+    self.echo(f"rehearsal passed: {len(self.stages)} stages in {total:.0f} s")
+    return 0
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--workdir", required=True)
+  args = parser.parse_args()
+  try:
+    rehearsal = Rehearsal(args.workdir)
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  sys.exit(rehearsal.run())
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,211 @@
+"""A scripted stand-in for the recipe's external LLM (teacher, QA
+synthesizer, judge) on loopback: an OpenAI-compatible `/v1/chat/completions`
+that recognises each documented prompt by its opening line and answers it
+in that prompt's documented format, built from the prompt's own text.
+
+Where a tiny model cannot write the format a tool needs (JSON agent
+operations, QA pairs, Listing 11 verdicts), this lets `tools/rehearse.py`
+test the recipe's plumbing, not an LLM's quality. A prompt it does not
+recognise gets HTTP 400, so a tool that sends an undocumented prompt fails
+the rehearsal instead of passing on a made-up answer.
+
+  python tools/scripted_llm.py --port=8001   # serves until Ctrl-C
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from cmimem_jax.evaluation.metrics import normalize_answer  # noqa: E402
+from cmimem_jax.memory.prompts import TEMPLATES  # noqa: E402
+
+import synthesize_qa  # noqa: E402  (tools/, beside this file)
+
+
+def _opening(template: str) -> str:
+  return template.splitlines()[0].split("{")[0].strip()
+
+
+def _statements(text: str, limit: int = 2) -> list[str]:
+  """The first user sentences of a rendered session (`user: ...` lines),
+  without characters the DSL or JSON would need escaped."""
+  found = []
+  for line in text.splitlines():
+    match = re.match(r"\s*(?:\[[^\]]*\]\s*)?user:\s*(.+)", line, re.I)
+    if match:
+      sentence = re.split(r"(?<=[.!?])\s", match.group(1))[0]
+      found.append(re.sub(r"[|\"\\]", " ", sentence)[:160].strip())
+    if len(found) == limit:
+      break
+  return found or ["The user said nothing new."]
+
+
+def _field(text: str, pattern: str, default: str = "") -> str:
+  match = re.search(pattern, text)
+  return match.group(1).strip() if match else default
+
+
+def _date(text: str) -> str:
+  return _field(text, r"(\d{4}[-/]\d{2}[-/]\d{2})", "2024-01-01").replace(
+      "/", "-")
+
+
+def _qa_pairs(prompt: str) -> str:
+  n = int(_field(prompt, r"Write exactly (\d+)", "1"))
+  index = _field(prompt, r"Session (\d+) \(", "1")
+  session = prompt.split(f"Session {index} (", 1)[-1]
+  statement = _statements(session, 1)[0]
+  pairs = [{"question": f"What did the user say in session {index}?",
+            "answer": " ".join(statement.split()[:6]),
+            "type": "single-session"},
+           {"question": f"When did session {index} take place?",
+            "answer": _date(session), "type": "temporal"}]
+  return json.dumps({"pairs": (pairs * n)[:n]})
+
+
+def _verdict(prompt: str) -> str:
+  gold = normalize_answer(_field(prompt, r"Gold answer: (.*)"))
+  generated = normalize_answer(_field(prompt, r"Generated answer: (.*)"))
+  label = "CORRECT" if gold and gold in generated else "WRONG"
+  return f'Compared word for word. {{"label": "{label}"}}'
+
+
+def _dsl(prompt: str) -> str:
+  session = prompt.split("[Session #", 1)[-1]
+  first, *rest = _statements(session)
+  lines = [f"CORE:APPEND|{first}"]
+  lines += [f"EPISODIC:ADD|{_date(session)}: {s}" for s in rest] or [
+      "EPISODIC:SKIP"]
+  return "\n".join(lines + ["SEMANTIC:SKIP", "PROCEDURAL:SKIP"])
+
+
+def _messages_block(prompt: str) -> str:
+  return prompt.split("New Messages:", 1)[-1]
+
+
+# Opening line of each documented prompt -> its answer in its format.
+REPLIES: dict[str, Callable[[str], str]] = {
+    _opening(synthesize_qa.PROMPT): _qa_pairs,
+    _opening(TEMPLATES["judge"]): _verdict,
+    _opening(TEMPLATES["policy_system"]): _dsl,
+    _opening(TEMPLATES["core_agent"]): lambda p: json.dumps({
+        "operation": "APPEND",
+        "content": _statements(_messages_block(p), 1)[0]}),
+    _opening(TEMPLATES["episodic_agent"]): lambda p: json.dumps({
+        "operations": [{"action": "ADD",
+                        "memory": f"{_date(p)}: {s} | Details: as said"}
+                       for s in _statements(_messages_block(p))]}),
+    _opening(TEMPLATES["semantic_agent"]): lambda p: json.dumps({
+        "operations": [{"action": "SKIP", "reason": "nothing general"}]}),
+    _opening(TEMPLATES["procedural_agent"]): lambda p: json.dumps(
+        {"operations": []}),
+    _opening(TEMPLATES["core_compression"]): lambda p: json.dumps({
+        "content": _field(p, r"Current content:\n(.*)", "")[:1000]}),
+    _opening(TEMPLATES["merge_summary"]): lambda p: _field(
+        p, r"Memories to merge:\n(.*)", "merged"),
+}
+
+
+def reply(messages: list[dict]) -> str | None:
+  """The scripted answer to a conversation, or None for a prompt that no
+  tool of the recipe documents."""
+  text = "\n".join(str(m.get("content", "")) for m in messages)
+  for opening, answer in REPLIES.items():
+    if text.lstrip().startswith(opening) or f"\n{opening}" in text[:200]:
+      return answer(text)
+  return None
+
+
+class _HTTPServer(ThreadingHTTPServer):
+  daemon_threads = True
+  request_queue_size = 256
+
+
+class ScriptedLLM:
+  """Serves in a daemon thread while inside `with ...:`; `base_url` ends in
+  `/v1`; `counts` tallies the prompts answered by kind (and "unknown")."""
+
+  def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    self.counts: collections.Counter[str] = collections.Counter()
+    self.lock = threading.Lock()
+    owner = self
+
+    class Handler(BaseHTTPRequestHandler):
+      def log_message(self, *args: object) -> None:
+        del args
+
+      def _send(self, code: int, payload: dict) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+          self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+          pass  # The client gave up.
+
+      def do_GET(self) -> None:
+        self._send(200, {"status": "ok"})
+
+      def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length", 0))
+        request = json.loads(self.rfile.read(length) or b"{}")
+        if not self.path.endswith("/chat/completions"):
+          self._send(404, {"error": {"message": f"no route {self.path}"}})
+          return
+        text = reply(request.get("messages", []))
+        with owner.lock:
+          owner.counts["unknown" if text is None else "answered"] += 1
+        if text is None:
+          self._send(400, {"error": {"message": "scripted_llm: not a "
+                                     "documented prompt"}})
+          return
+        self._send(200, {
+            "id": "scripted", "object": "chat.completion", "created": 0,
+            "model": request.get("model", "scripted"),
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": text}}]})
+
+    self.httpd = _HTTPServer((host, port), Handler)
+    self._thread = threading.Thread(target=self.httpd.serve_forever,
+                                    daemon=True)
+
+  @property
+  def base_url(self) -> str:
+    host, port = self.httpd.server_address[:2]
+    return f"http://{host}:{port}/v1"
+
+  def __enter__(self) -> "ScriptedLLM":
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.httpd.shutdown()
+    self.httpd.server_close()
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--port", type=int, default=8001)
+  args = parser.parse_args()
+  with ScriptedLLM(port=args.port) as server:
+    print(f"ready at {server.base_url}", flush=True)
+    try:
+      threading.Event().wait()
+    except KeyboardInterrupt:
+      pass
+
+
+if __name__ == "__main__":
+  main()
