@@ -135,6 +135,22 @@ PLACEHOLDERS = re.compile(r"\.\.\.|\b(DIR|URL|NAME|HOST|DATA)\b|^/(data|ckpt|"
                           r"runs)/|gs://")
 
 
+def continued(lines: list[str], i: int) -> tuple[str, int]:
+  """Line `i` of `lines` with the lines its trailing `\\` continues, joined
+  by spaces; and how many lines that took."""
+  parts = [lines[i]]
+  while parts[-1].rstrip().endswith("\\") and i + len(parts) < len(lines):
+    parts.append(lines[i + len(parts)])
+  return " ".join(p.rstrip().rstrip("\\") for p in parts), len(parts)
+
+
+def command_words(text: str) -> list[str]:
+  """A written command's words: optional `[--flag ...]` / `[,more]` parts
+  and a trailing `# comment` dropped (`".[tpu]"` is kept)."""
+  return shlex.split(re.sub(r"\[(?:--|,)[^\]]*\]", "", text),
+                     comments=True)
+
+
 def documented_command(path: str, opening: str) -> list[str]:
   """The command that starts with `opening` in file `path` (relative to
   the repository), continuation lines joined and optional `[...]` parts
@@ -143,11 +159,7 @@ def documented_command(path: str, opening: str) -> list[str]:
     lines = f.read().splitlines()
   for i, line in enumerate(lines):
     if line.strip().startswith(opening):
-      parts = [line]
-      while parts[-1].rstrip().endswith("\\"):
-        parts.append(lines[i + len(parts)])
-      text = " ".join(p.rstrip().rstrip("\\") for p in parts)
-      return shlex.split(re.sub(r"\[[^\]]*\]", "", text))
+      return command_words(continued(lines, i)[0])
   raise ValueError(f"{path} documents no `{opening} ...` command")
 
 
