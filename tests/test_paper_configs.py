@@ -119,6 +119,12 @@ DEPARTURES = {
     "reward.core_tokens_high": "Length penalty",
     "reward.entry_chars_low": "Length penalty",
     "reward.entry_chars_high": "Length penalty",
+    "reward.length_reference": "Length penalty",
+    "reward.entry_ratio_low": "Length penalty",
+    "reward.entry_ratio_high": "Length penalty",
+    "reward.entry_ratio_floor": "Length penalty",
+    "reward.entry_ratio_ceiling": "Length penalty",
+    "reward.entry_min_diff_tokens": "Length penalty",
 }
 # Prefixes of fields the paper does not speak to, and why.
 NOT_IN_PAPER = {

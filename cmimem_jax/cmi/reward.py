@@ -11,7 +11,10 @@ Per rollout (one DSL response for a session `C_t` on a bank `M_{t-1}`):
    value; malformed response: the format penalty.
 3. `r = alpha·cmi + (1 - alpha)·r_QA` (Eq. 12), times the length, intra- and
    cross-duplication and core-specificity factors, plus the semantic-SKIP
-   bonus; malformed responses get reward 0 (validity gate).
+   bonus; malformed responses get reward 0 (validity gate). The length
+   factor is MemBuilder's (`length_penalty`): relative to the expert's
+   response where fixed expert states give one, and only on a positive
+   reward.
 4. Attribution: the DSL lines of the memory type retrieved most while
    answering the session's QA get loss weight `attribution_weight`.
 
@@ -51,6 +54,7 @@ DEFAULT_GENERIC_CORE_PATTERNS = (
 
 
 ESTIMATORS = ("residual", "cosine", "logprob")
+LENGTH_REFERENCES = ("expert", "absolute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +76,23 @@ class RewardConfig:
   empty_action_value: float = -0.5
   format_penalty: float = -0.5
   length_weight: float = 0.8
+  # What an entry type's length is judged against (`length_penalty`):
+  # "expert": MemBuilder's ratio to the session's expert response where
+  # one is known (fixed expert states), the absolute band otherwise;
+  # "absolute": the band always.
+  length_reference: str = "expert"
   core_tokens_low: float = 150.0
   core_tokens_high: float = 400.0
   chars_per_token: float = 4.0
   entry_chars_low: float = 300.0
   entry_chars_high: float = 900.0
+  # MemBuilder's ratio bands (gamma_l, gamma_u, full penalty at the floor /
+  # ceiling) and the smallest difference from the expert that counts.
+  entry_ratio_low: float = 0.5
+  entry_ratio_high: float = 1.3
+  entry_ratio_floor: float = 0.2
+  entry_ratio_ceiling: float = 2.0
+  entry_min_diff_tokens: float = 200.0
   duplicate_cosine: float = 0.95
   intra_duplicate_weight: float = 0.3
   cross_duplicate_weight: float = 0.5
@@ -104,6 +120,16 @@ class RewardConfig:
       raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
     if self.sigma <= 0 or self.lam <= 0:
       raise ValueError("sigma and lam must be positive")
+    if self.length_reference not in LENGTH_REFERENCES:
+      raise ValueError(f"length_reference must be one of "
+                       f"{LENGTH_REFERENCES}, got {self.length_reference!r}")
+    if not (0 < self.entry_ratio_floor < self.entry_ratio_low
+            <= self.entry_ratio_high < self.entry_ratio_ceiling):
+      raise ValueError("entry ratios must satisfy 0 < floor < low <= high "
+                       "< ceiling")
+    if self.chars_per_token <= 0 or self.entry_min_diff_tokens < 0:
+      raise ValueError("chars_per_token must be > 0 and "
+                       "entry_min_diff_tokens >= 0")
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> RewardConfig:
@@ -155,6 +181,77 @@ def length_excess(chars: int, memory_type: MemoryType,
   return float(np.clip((value - low) / (high - low), 0.0, 1.0))
 
 
+def written_chars(response: ParsedResponse) -> dict[MemoryType, int]:
+  """Characters each memory type's writing operations put into memory
+  (MemBuilder counts an operation's `memory` / `new_memory` text)."""
+  chars = {memory_type: 0 for memory_type in MemoryType}
+  for op in response.operations:
+    if op.writes:
+      chars[op.memory_type] += len(op.new_text)
+  return chars
+
+
+def relative_excess(chars: int, expert_chars: int,
+                    config: RewardConfig) -> float:
+  """MemBuilder's ℓ in [0, 1] of one entry type's written text against the
+  expert's for the same session (`_compute_agent_length_penalty`,
+  training/reward_server/reward_function.py L1021-1063 of
+  Zh1yuShen/MemBuilder@422d053): 0 when the expert wrote nothing, when
+  the two differ by fewer than `entry_min_diff_tokens` tokens, or when the
+  ratio is within [gamma_l, gamma_u] = [0.5, 1.3]; rising linearly to 1 at
+  the ceiling 2.0 (too long) or the floor 0.2 (too short).
+
+  Both sides are counted in tokens ≈ characters / `chars_per_token`.
+  MemBuilder counts the policy's text as characters // 4 (L1066-1093) but
+  the expert's as characters (L1045), which judges equal texts of more
+  than ~270 characters "too short" (ratio 0.25); we do not copy the mixed
+  units.
+  """
+  if expert_chars <= 0:
+    return 0.0
+  tokens = chars / config.chars_per_token
+  expert = expert_chars / config.chars_per_token
+  if abs(tokens - expert) < config.entry_min_diff_tokens:
+    return 0.0
+  ratio = tokens / expert
+  if ratio > config.entry_ratio_high:
+    excess = ((ratio - config.entry_ratio_high)
+              / (config.entry_ratio_ceiling - config.entry_ratio_high))
+  elif ratio < config.entry_ratio_low:
+    excess = ((config.entry_ratio_low - ratio)
+              / (config.entry_ratio_low - config.entry_ratio_floor))
+  else:
+    return 0.0
+  return float(min(1.0, excess))
+
+
+def length_penalty(response: ParsedResponse, expert: ParsedResponse | None,
+                   config: RewardConfig) -> float:
+  """ℓ(M) of Eq. 15 for a valid response.
+
+  With `length_reference="expert"` and the session's expert response
+  known: MemBuilder's per-agent penalty averaged over the four agents (our
+  one rollout is MemBuilder's four agent responses, and the mean of their
+  rewards `r(1 - λ ℓ_τ)` is `r(1 - λ mean ℓ_τ)`; its `_compute_length_
+  penalty`, L426-474, averages the same four): core by the absolute token
+  band on what it writes (L1031-1040), each entry type by
+  `relative_excess`. Otherwise (no expert states, an invalid expert
+  response, or "absolute"): the mean over the writing operations of
+  `length_excess` (characters 300-900 for entries).
+  """
+  if config.length_reference == "expert" and expert is not None:
+    chars = written_chars(response)
+    expert_chars = written_chars(expert)
+    per_type = [length_excess(chars[MemoryType.CORE], MemoryType.CORE, config)]
+    per_type += [relative_excess(chars[t], expert_chars[t], config)
+                 for t in ENTRY_TYPES]
+    return float(np.mean(per_type))
+  writes = [op for op in response.operations if op.writes]
+  return (float(np.mean([length_excess(len(op.new_text), op.memory_type,
+                                       config) for op in writes]))
+          if writes else 0.0)
+
+
 def normalize_text(text: str) -> str:
   """Lowercased words only: the "verbatim" test of the duplication rules."""
   return " ".join(re.findall(r"\w+", text.lower()))
@@ -175,6 +272,9 @@ class RolloutInput:
     bank_after: `M_t` (valid responses; the log-prob estimator needs it).
     user_turns: The session's user utterances, whose statements the
       semantic-SKIP judgement weighs; None = every line of `context`.
+    expert: The expert's (teacher's) response for this session, from the
+      fixed expert states (`snapshots.expert_responses`): the length
+      reference; None = none known (valid responses only).
   """
   bank: MemoryBank
   context: str
@@ -183,6 +283,7 @@ class RolloutInput:
   retrieval_counts: Mapping[MemoryType, int] | None = None
   bank_after: MemoryBank | None = None
   user_turns: tuple[str, ...] | None = None
+  expert: ParsedResponse | None = None
 
   def statements(self) -> list[str]:
     """What the user states in the session (`user_statements`)."""
@@ -531,9 +632,7 @@ class RewardComputer:
     base = config.alpha * cmi + (1.0 - config.alpha) * rollout.qa_reward
 
     writes = [op for op in response.operations if op.writes] if valid else []
-    excess = (float(np.mean([length_excess(len(op.new_text), op.memory_type,
-                                           config) for op in writes]))
-              if writes else 0.0)
+    excess = length_penalty(response, rollout.expert, config) if valid else 0.0
     # Table 7 "dup-add": only additions can duplicate (an UPDATE or MERGE
     # that restates its target is a revision, not a copy).
     adds = [op for op in writes if op.action in (Action.ADD, Action.APPEND)]
@@ -549,7 +648,9 @@ class RewardComputer:
                   config.semantic_skip_bonus if justified
                   else -config.semantic_skip_bonus)
     factors = {
-        "length": 1.0 - config.length_weight * excess,
+        # MemBuilder shortens positive rewards only (reward_function.py
+        # L714): a negative one times (1 - λℓ) would reward verbosity.
+        "length": 1.0 - config.length_weight * excess if base > 0 else 1.0,
         "intra": 1.0 - config.intra_duplicate_weight * intra,
         "cross": 1.0 - config.cross_duplicate_weight * cross,
         "core": 1.0 - config.core_specificity_weight * core_generic,

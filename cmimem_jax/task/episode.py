@@ -32,6 +32,9 @@ class Episode:
   session: Session
   bank: MemoryBank                  # M_{t-1}.
   questions: tuple[Question, ...]   # The session's QA pairs.
+  # The expert's response for the session (fixed expert states): the
+  # length penalty's reference; None = none known.
+  expert: ParsedResponse | None = None
 
 
 def session_questions(dialogue: Dialogue, session: Session
@@ -116,7 +119,8 @@ def score_rollouts(episodes: Sequence[Episode], texts: Sequence[str],
     parsed.append(response)
     rollouts.append(RolloutInput(episode.bank, episode.session.format(),
                                  response, qa_reward, counts, after,
-                                 episode.session.user_turns()))
+                                 episode.session.user_turns(),
+                                 episode.expert))
   return parsed, computer(rollouts)
 
 

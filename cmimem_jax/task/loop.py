@@ -64,7 +64,7 @@ from cmimem_jax.task.episode import (Episode, attribution_weights,
                                      session_questions)
 from cmimem_jax.task.qa_reward import QAReward
 from cmimem_jax.task.report import session_line, summary_text, written_memory
-from cmimem_jax.task.snapshots import (build_snapshots,
+from cmimem_jax.task.snapshots import (build_snapshots, expert_responses,
                                        load_expert_snapshots, load_snapshots,
                                        save_snapshots)
 
@@ -324,6 +324,10 @@ class Trainer:
           config.rl.snapshots, self.dialogues, encoder_identity(config.encoder))
     else:
       self.snapshots = self._snapshots(self.loop["snapshot_version"])
+    # The teacher's responses (fixed expert states only): the length
+    # penalty's reference (`reward.length_reference`).
+    self.expert = (expert_responses(config.rl.snapshots)
+                   if self.fixed_snapshots else {})
 
   # -- snapshots -------------------------------------------------------------
 
@@ -349,7 +353,8 @@ class Trainer:
     dialogue = self.dialogues[ref.dialogue]
     session = dialogue.sessions[ref.session]
     return Episode(dialogue, session, self.snapshots[ref.dialogue][ref.session],
-                   session_questions(dialogue, session))
+                   session_questions(dialogue, session),
+                   self.expert.get((dialogue.dialogue_id, ref.session)))
 
   def validate(self) -> dict[str, float]:
     """The held-out sessions answered greedily and scored with the full

@@ -29,7 +29,7 @@ from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.memory.apply import MemoryEditors
 from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.builder import Responder
-from cmimem_jax.memory.dsl import parse
+from cmimem_jax.memory.dsl import ParsedResponse, parse
 from cmimem_jax.task.episode import apply_to_copy, policy_messages
 
 # In an expert-states directory: what built it, and one record per teacher
@@ -76,6 +76,17 @@ def teacher_records(directory: str) -> dict[tuple[str, int], dict[str, Any]]:
   """The newest teacher record per (dialogue id, session index)."""
   return {(r["dialogue_id"], r["session_index"]): r
           for r in read_jsonl(os.path.join(directory, TEACHER_LOG))}
+
+
+def expert_responses(directory: str
+                     ) -> dict[tuple[str, int], ParsedResponse]:
+  """The teacher's valid response per (dialogue id, session index): what
+  turned `M_{t-1}` into the next state, the reward's length reference
+  (`reward.length_reference`). Sessions whose teacher response was
+  rejected, and each dialogue's last session (never built), have none."""
+  return {key: parse(record["response"])
+          for key, record in teacher_records(directory).items()
+          if record["valid"]}
 
 
 def build_expert_snapshots(dialogues: Sequence[Dialogue], respond: Responder,

@@ -192,6 +192,54 @@ def test_length_penalty():
   assert terms.length_excess == pytest.approx(0.5)
 
 
+def _with_expert(text, expert, qa=0.5, **overrides):
+  rollout = RolloutInput(MemoryBank("u", ENCODER.dim), CONTEXT, parse(text),
+                         qa, expert=None if expert is None else parse(expert))
+  (terms,) = RewardComputer(ENCODER, RewardConfig(**overrides))([rollout])
+  return terms
+
+
+def test_length_penalty_relative_to_the_expert():
+  """MemBuilder's rule where the expert's response is known: an entry
+  type's text against the expert's (ratio bands, >= 200 tokens apart),
+  averaged over the four agents; the absolute band is not used."""
+  expert = "CORE:APPEND|Owns Rex\nEPISODIC:SKIP\nSEMANTIC:ADD|{}\nPROCEDURAL:SKIP"
+  short = "Rex " + "x" * 396  # 100 tokens.
+  terms = _with_expert(expert.format("Rex " + "y" * 3996), expert.format(short))
+  # 1000 / 100 tokens: past the ceiling, 1 for semantic, 0 for the others.
+  assert terms.length_excess == pytest.approx(0.25)
+  assert terms.length_factor == pytest.approx(1 - 0.8 * 0.25)
+  # As long as the expert's: no penalty, though the absolute band (300-900
+  # characters) would give 1 to a 4000-character entry.
+  same = "Rex " + "z" * 3996
+  terms = _with_expert(expert.format(same), expert.format(same))
+  assert terms.length_excess == 0.0 and terms.length_factor == 1.0
+  assert _with_expert(expert.format(same), expert.format(same),
+                      length_reference="absolute").length_excess == 0.5
+  # 2x the expert's but only 100 tokens apart: under the minimum difference.
+  assert _with_expert(expert.format(short + short),
+                      expert.format(short)).length_excess == 0.0
+  # 480 / 1000 tokens (ratio 0.48, just under gamma_l = 0.5): too short.
+  terms = _with_expert(expert.format("x" * 1920), expert.format(same))
+  assert terms.length_excess == pytest.approx((0.5 - 0.48) / 0.3 / 4)
+  # No expert response for the session: the absolute band.
+  assert _with_expert(expert.format(same), None).length_excess == 0.5
+
+
+def test_length_penalty_spares_a_non_positive_reward():
+  """A negative reward times (1 - λℓ) would pay for verbosity: MemBuilder
+  applies the factor to positive rewards only (both references)."""
+  long_core = "y" * 1100  # 275 tokens: ℓ = 0.5 on the core band.
+  text = f"CORE:REPLACE|absent|{long_core}\n{SKIPS}"  # No match: unscored.
+  for reference, expected in (("expert", 0.125), ("absolute", 0.5)):
+    terms = _with_expert(text, SKIPS.replace("EPISODIC", "CORE:APPEND|x\n"
+                                             "EPISODIC"), qa=0.0,
+                         length_reference=reference)
+    assert terms.base < 0 and terms.length_excess == pytest.approx(expected)
+    assert terms.length_factor == 1.0
+    assert terms.total == pytest.approx(terms.base + terms.semantic_skip_bonus)
+
+
 def test_intra_duplicates():
   terms = _score("CORE:APPEND|Owns Rex\nEPISODIC:ADD|Adopted Rex.\n"
                  "SEMANTIC:ADD|adopted   REX\nPROCEDURAL:SKIP")

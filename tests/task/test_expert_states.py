@@ -16,7 +16,8 @@ from cmimem_jax.rl import read_metrics
 from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
 from cmimem_jax.task.episode import policy_messages
 from cmimem_jax.task.loop import Trainer
-from cmimem_jax.task.snapshots import TEACHER_LOG, teacher_records
+from cmimem_jax.task.snapshots import (TEACHER_LOG, expert_responses,
+                                       teacher_records)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
 import build_expert_states  # noqa: E402
@@ -82,6 +83,10 @@ def test_states_are_resumable_and_count_rejections(tmp_path):
   assert len(records) == sessions - dialogues
   assert sum(not r["valid"] for r in records.values()) == 1
   assert os.path.exists(tmp_path / "resumed" / TEACHER_LOG)
+  # The length penalty's reference: the valid teacher responses, parsed.
+  experts = expert_responses(str(tmp_path / "resumed"))
+  assert set(experts) == {k for k, r in records.items() if r["valid"]}
+  assert all(MARKER in e.text and e.valid for e in experts.values())
   # Other settings (another encoder) are refused, not mixed in.
   with pytest.raises(ValueError, match="other settings"):
     _build(tmp_path / "whole", ScriptedTeacher(), **{"encoder.dim": 32})
@@ -126,6 +131,9 @@ def test_the_trainer_uses_the_expert_states_and_never_rebuilds_them(
     dialogue = loop.dialogues[ref.dialogue]
     bank = loop.episode(ref).bank
     assert bank == expert[f"{dialogue.dialogue_id}/s{ref.session}"]
+    # The teacher's response is the reward's length reference.
+    assert loop.episode(ref).expert == expert_responses(str(states)).get(
+        (dialogue.dialogue_id, ref.session))
     if ref.session > 0:  # The policy prompt shows the expert's memories.
       prompt = loop.policy.tokenizer.decode(loop.policy.encode(
           policy_messages(bank, loop.episode(ref).session, loop.encoder,
