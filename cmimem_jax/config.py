@@ -4,8 +4,8 @@ Configs are `ml_collections.ConfigDict`s defined in `configs/*.py` and loaded
 with absl `config_flags` (`--config=configs/x.py --config.a.b=v`). Each
 section a config has is checked before anything is built or compiled (the
 shared sections here, the others by the package that owns them through
-`register_section`); all problems are reported together in one
-`ConfigError`.
+`register_section`); an entry point checks only the sections it reads,
+and all problems are reported together in one `ConfigError`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ INSTRUCTED_ENCODERS = ("qwen3_embedding", "openai")
 
 class ConfigError(ValueError):
   """An invalid config; the message lists every problem found."""
+
+
+class MissingDependency(ImportError):
+  """An optional package that a chosen setting needs is not installed; the
+  message says which setting and ends with the install command."""
 
 
 _MISSING = object()
@@ -149,12 +154,17 @@ def register_section(name: str, check: Callable[[_Checker], None]) -> None:
 
 
 def validate_config(config: ml_collections.ConfigDict,
-                    required: tuple[str, ...] = ()) -> None:
-  """Checks every known section present in `config`.
+                    required: tuple[str, ...]) -> None:
+  """Checks the sections a caller reads, and only those: a config file
+  serves several tools (`qwen3_4b.py`: `build_expert_states` and
+  `train`), and a field one tool never reads (`rl.snapshots` for
+  `build_expert_states`) must not stop it.
 
   Args:
     config: The loaded config.
-    required: Sections the caller needs; their absence is an error.
+    required: The sections the caller reads: each must be present, and
+      each one's registered checks run (a section without registered
+      checks is only required).
 
   Raises:
     ConfigError: listing every problem, one per line.
@@ -163,9 +173,8 @@ def validate_config(config: ml_collections.ConfigDict,
   for section in required:
     if section not in config:
       checker.problems.append(f"{section}: missing section")
-  for section, check in _SECTIONS.items():
-    if section in config:
-      check(checker)
+    elif section in _SECTIONS:
+      _SECTIONS[section](checker)
   if checker.problems:
     raise ConfigError("invalid config:\n  " + "\n  ".join(checker.problems))
 
@@ -254,8 +263,9 @@ def run_command(main: Callable[[list[str]], None], workdir: bool = True
                 ) -> None:
   """Runs an entry point's `main` under absl with `--config` (and
   `--workdir`). A mistake a user can make prints one line on stderr and
-  exits: 2 for usage (a flag, an override, the config: `ConfigError`),
-  1 for data, workdir and runtime errors (`ValueError`, `OSError`,
+  exits: 2 for usage (a flag, an override, the config: `ConfigError`; a
+  setting whose package is not installed: `MissingDependency`), 1 for
+  data, workdir and runtime errors (`ValueError`, `OSError`,
   `RuntimeError`); a job stopped by SIGTERM / SIGINT exits 128 + signal.
   `--verbosity=1` or `CMIMEM_TRACEBACK=1` shows the traceback instead.
   Logs below WARNING are off unless `--verbosity` is given."""
@@ -290,7 +300,7 @@ def run_command(main: Callable[[list[str]], None], workdir: bool = True
     except Interrupted as e:
       print(str(e), file=sys.stderr)
       raise SystemExit(128 + e.signum) from None
-    except (ConfigError, app.UsageError) as e:
+    except (ConfigError, MissingDependency, app.UsageError) as e:
       if _show_tracebacks():
         raise
       _fail(str(e), 2)

@@ -1,18 +1,23 @@
 import importlib
 import pathlib
+import re
+import sys
 
 import ml_collections
 import numpy as np
 import pytest
 
 import cmimem_jax.task.loop  # noqa: F401 - registers every training section.
-from cmimem_jax.config import ConfigError, validate_config
+from cmimem_jax.config import ConfigError, apply_overrides, validate_config
 from cmimem_jax.data import bundled_path
 from cmimem_jax.encoders import instructed_query, make_encoder
 from cmimem_jax.evaluation.paper import paper_rows
 import cmimem_jax.evaluation.run  # noqa: F401 - registers the judge section.
 from configs import (build_memory, eval_qwen3_4b, qwen3_4b, qwen3_4b_h20_vllm,
                      qwen3_4b_tpu)
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+import build_expert_states  # noqa: E402
 
 
 def test_shipped_config_is_valid(locomo_path):
@@ -32,7 +37,8 @@ def test_every_problem_is_reported_at_once():
   del config.memory["qa_top_k"]
   config.reward.shaping = "cubic"
   with pytest.raises(ConfigError) as info:
-    validate_config(config, required=("dataset", "policy_model"))
+    validate_config(config, required=("dataset", "encoder", "memory",
+                                      "reward", "policy_model"))
   message = str(info.value)
   for expected in ["dataset.name='squad'", "dataset.path='/nonexistent.json'",
                    "encoder.dim=0", "memory.compress_trigger=1.5",
@@ -41,6 +47,48 @@ def test_every_problem_is_reported_at_once():
                    "policy_model: missing section",
                    "reward: shaping must be 'gaussian' or 'none'"]:
     assert expected in message
+
+
+def test_only_the_named_sections_are_checked():
+  config = build_memory.get_config()
+  config.dataset.path = bundled_path()
+  config.reward.shaping = "cubic"
+  validate_config(config, required=("dataset", "encoder", "memory"))
+  with pytest.raises(ConfigError, match="shaping must be"):
+    validate_config(config, required=("dataset", "reward"))
+
+
+class _Validated(Exception):
+  """Raised where build_expert_states starts work: its config passed."""
+
+
+def test_build_expert_states_checks_only_what_it_reads(tmp_path, monkeypatch):
+  """Its documented command (`configs/qwen3_4b.py`, `rl.snapshots` left
+  at '': the directory this tool writes) passes validation; a bad field
+  of a section it reads still fails."""
+  def started(section):
+    raise _Validated
+
+  monkeypatch.setattr(build_expert_states, "make_encoder", started)
+
+  def build(**overrides):
+    config = qwen3_4b.get_config()
+    config.dataset.path = bundled_path()
+    config.encoder.path = str(tmp_path)
+    assert config.rl.snapshots == ""
+    build_expert_states.build(apply_overrides(config, overrides),
+                              str(tmp_path / "states"), None, "teacher",
+                              "agents")
+
+  with pytest.raises(_Validated):
+    build()
+  for overrides, problem in (({"dataset.path": "/nonexistent.json"},
+                              "dataset.path='/nonexistent.json'"),
+                             ({"encoder.path": "/nonexistent"},
+                              "encoder.path='/nonexistent'"),
+                             ({"memory.qa_top_k": 0}, "memory.qa_top_k=0")):
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+      build(**overrides)
 
 
 def _flat(config) -> dict:
@@ -142,8 +190,8 @@ ABLATIONS = sorted(p.stem for p in (
         "table*.py"))
 
 
-TRAINING_SECTIONS = ("dataset", "memory", "reward", "policy", "rollout", "rl",
-                     "qa")
+TRAINING_SECTIONS = ("dataset", "encoder", "memory", "reward", "policy",
+                     "rollout", "rl", "qa")
 EVALUATION_SECTIONS = ("dataset", "encoder", "memory", "judge", "answer",
                        "builder")
 

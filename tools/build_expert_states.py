@@ -59,7 +59,10 @@ def build(config, output: str, teacher, teacher_name: str,
           answer_format: str) -> dict:
   """Builds (or continues) the expert states of `config`'s training
   dialogues in `output` with the `teacher` ChatModel; returns the counts."""
-  validate_config(config, required=("dataset", "encoder", "memory"))
+  # What this tool reads (the config also holds a trainer's sections, e.g.
+  # rl.snapshots, which names this tool's output).
+  validate_config(config, required=("dataset", "encoder", "memory",
+                                    "rollout"))
   if answer_format not in FORMATS:
     raise ValueError(f"format must be one of {FORMATS}")
   encoder = make_encoder(config.encoder)

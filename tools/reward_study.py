@@ -340,7 +340,7 @@ def run(config, output: str) -> dict:
   """The study; writes `output/study.{json,md,png}` and returns the
   summary."""
   validate_config(config, required=("dataset", "encoder", "memory",
-                                    "reward"))
+                                    "reward", "study"))
   start = time.perf_counter()
   dialogues = load_dataset("locomo", config.dataset.path)
   first, _, last = config.study.conversations.partition(":")

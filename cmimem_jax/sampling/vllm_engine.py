@@ -19,19 +19,23 @@ from typing import Any
 import jax
 import numpy as np
 
+from cmimem_jax.config import MissingDependency
 from cmimem_jax.models.qwen3.model import Qwen3
 from cmimem_jax.models.qwen3.params import hf_tensors, save_hf
 from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
 
-INSTALL_HINT = ("rollout.engine='vllm' needs vLLM on a CUDA machine "
-                "(pip install vllm); use rollout.engine='jax' elsewhere")
+INSTALL_HINT = ("rollout.engine='vllm' needs vLLM, which is not installed "
+                "(rollout.engine='jax' runs without it); on a CUDA machine: "
+                "pip install vllm")
 
 
 def import_vllm() -> Any:
+  """The `vllm` module; `MissingDependency` (one line ending with the
+  install command) where it is not installed."""
   try:
     import vllm
   except ImportError as e:
-    raise ImportError(INSTALL_HINT) from e
+    raise MissingDependency(INSTALL_HINT) from e
   return vllm
 
 

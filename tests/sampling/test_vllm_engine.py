@@ -1,6 +1,9 @@
 """The vLLM path without vLLM: clear errors, NNX -> HF tensor conversion,
 output packing and the JAX log-prob recomputation."""
 
+import os
+import subprocess
+import sys
 import types
 
 import jax
@@ -8,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from cmimem_jax.config import MissingDependency
 from cmimem_jax.models.qwen3 import Qwen3, load_hf, preset
 from cmimem_jax.rl import recompute_logprobs
 from cmimem_jax.sampling import Sampler, SamplingConfig
@@ -17,15 +21,50 @@ from cmimem_jax.sampling.vllm_engine import (INSTALL_HINT, VLLMEngine,
 torch = pytest.importorskip("torch")
 
 
-def test_vllm_absent_gives_the_install_hint():
+REPO = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def _skip_if_vllm_is_installed() -> None:
   try:
     import vllm  # noqa: F401
     pytest.skip("vLLM is installed here")
   except ImportError:
     pass
-  with pytest.raises(ImportError, match="needs vLLM on a CUDA machine"):
+
+
+def test_vllm_absent_gives_the_install_hint():
+  _skip_if_vllm_is_installed()
+  with pytest.raises(MissingDependency, match="pip install vllm$"):
     VLLMEngine("/nonexistent")
   assert "rollout.engine='jax'" in INSTALL_HINT
+
+
+def test_train_without_vllm_says_one_line_with_the_install_command(tmp_path):
+  """The H20 config's train command where vLLM is absent: exit 2 with one
+  line on stderr ending in the pip command (not a 36-line traceback),
+  before anything is written or compiled."""
+  _skip_if_vllm_is_installed()
+  data = tmp_path / "data.json"
+  data.write_text("[]")
+  (tmp_path / "states").mkdir()
+  url = "http://127.0.0.1:9/v1"
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env.pop("CMIMEM_TRACEBACK", None)
+  done = subprocess.run(
+      [sys.executable, "-m", "cmimem_jax.train",
+       "--config=configs/qwen3_4b_h20_vllm.py",
+       f"--workdir={tmp_path / 'train'}",
+       f"--config.policy.path={tmp_path}", f"--config.dataset.path={data}",
+       f"--config.encoder.endpoint.base_url={url}",
+       f"--config.rl.snapshots={tmp_path / 'states'}",
+       f"--config.qa.answer.base_url={url}",
+       f"--config.qa.judge_endpoint.base_url={url}"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+      check=False)
+  assert done.returncode == 2, done.stderr
+  assert done.stderr.splitlines() == [f"error: {INSTALL_HINT}"]
+  assert not (tmp_path / "train").exists()
 
 
 def test_weights_for_vllm_match_the_transformers_state_dict(tmp_path):
