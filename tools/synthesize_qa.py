@@ -2,15 +2,20 @@
 MemBuilder protocol: single-session, multi-session and temporal questions).
 
   python tools/synthesize_qa.py --input=DATA.json --output=DATA_qa.json \
-      --base_url=http://127.0.0.1:8000/v1 --model=NAME [--per_session=5]
+      --base_url=http://127.0.0.1:8000/v1 --model=NAME [--per_session=5] \
+      [--max_tokens=1024]
 
 Reads LongMemEval-format records, asks an OpenAI-compatible chat model for
 `--per_session` QA pairs about each session (given the session, its date
-and the earlier sessions), and writes the records with a `session_qa`
+and the earlier sessions; each answer at most `--max_tokens` tokens: keep
+it within the server's own cap, e.g. 512 for `configs/serve_cpu.py`, or
+every call is refused), and writes the records with a `session_qa`
 field (`{session_id: [{question, answer, type}]}`) to `--output` (default:
 `DATA_qa.json` next to the input). Sessions whose generation fails after
 retries, or whose answer is not a JSON list of pairs, get no pairs; they
-are counted and reported, never invented.
+are counted and reported (a JSON line on stdout), never invented. A run
+that synthesizes no pair at all writes nothing and exits 1 with the reason
+on one line.
 """
 
 from __future__ import annotations
@@ -88,15 +93,32 @@ def synthesize(records: list[dict], client: OpenAIClient, per_session: int,
       history.append(f"[{date}] {text[:600]}")
   results = client.chat_many(prompts)
   out = [dict(record, session_qa={}) for record in records]
+  first_error = ""
   for (r, sid), result in zip(jobs, results):
     pairs = parse_pairs(result.text, per_session) if result.ok else None
     if pairs is None:
       stats["failed_sessions"] += 1
+      first_error = first_error or " ".join(
+          (result.error or "an answer without JSON pairs").split())
       continue
     out[r]["session_qa"][sid] = pairs
     stats["sessions"] += 1
     stats["pairs"] += len(pairs)
+  if first_error:
+    stats["first_error"] = first_error
   return out, {**stats, **client.failures.as_dict()}
+
+
+def nothing_synthesized(stats: dict, max_tokens: int) -> str:
+  """Why a run produced no pair, in one line."""
+  if not stats.get("failed_sessions"):
+    return "the input holds no sessions"
+  reason = (f"all {stats['failed_sessions']} sessions failed (failed calls "
+            f"{stats.get('failed_calls', {})}; first: {stats['first_error']})")
+  if "http_4xx" in stats.get("failed_calls", {}):
+    reason += (f"; is --max_tokens={max_tokens} above the server's cap? "
+               "lower it")
+  return reason
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -108,13 +130,23 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--per_session", type=int, default=5)
   parser.add_argument("--concurrency", type=int, default=8)
   parser.add_argument("--timeout_s", type=float, default=120.0)
+  parser.add_argument(
+      "--max_tokens", type=int, default=1024,
+      help="answer budget per session (tokens; at most the server's cap)")
   args = parser.parse_args(argv)
+  if args.max_tokens < 1:
+    parser.error("--max_tokens must be >= 1")
   with open(args.input) as f:
     records = json.load(f)
   client = OpenAIClient(EndpointConfig(
       base_url=args.base_url, model=args.model, timeout_s=args.timeout_s,
-      concurrency=args.concurrency, temperature=0.7, max_tokens=1024))
+      concurrency=args.concurrency, temperature=0.7,
+      max_tokens=args.max_tokens))
   out, stats = synthesize(records, client, args.per_session)
+  if not stats.get("pairs"):
+    print(json.dumps(stats))
+    sys.exit(f"error: no QA pairs synthesized, nothing written: "
+             f"{nothing_synthesized(stats, args.max_tokens)}")
   output = args.output or os.path.splitext(args.input)[0] + "_qa.json"
   with open(output, "w") as f:
     json.dump(out, f, indent=1)

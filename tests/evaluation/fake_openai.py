@@ -5,7 +5,8 @@ deterministic injected failures.
 (1-based `attempt`) carrying the same last-message content: "ok",
 "500" / "400" / "429" (that status), "timeout" (sleep past the client's timeout, then answer),
 "malformed" (200 with a body that is not JSON), "empty" (200 without
-choices).
+choices). With `max_tokens_cap`, a chat request asking for more gets a 400,
+as a real server with that cap answers.
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ class FakeOpenAI:
   in `/v1`."""
 
   def __init__(self, behaviour: Callable[[str, int], str] = lambda c, a: "ok",
-               delay_s: float = 1.0, reply: Callable[[str], str] = reply_for):
+               delay_s: float = 1.0, reply: Callable[[str], str] = reply_for,
+               max_tokens_cap: int | None = None):
     self.behaviour, self.delay_s, self.reply = behaviour, delay_s, reply
+    self.max_tokens_cap = max_tokens_cap
     self.attempts: collections.Counter[str] = collections.Counter()
     self.lock = threading.Lock()
     self.requests = 0
@@ -89,6 +92,9 @@ class FakeOpenAI:
           server.attempts[content] += 1
           attempt = server.attempts[content]
         action = server.behaviour(content, attempt)
+        if server.max_tokens_cap is not None and request.get(
+            "max_tokens", 0) > server.max_tokens_cap:
+          action = "400"
         if action in ("500", "400", "429"):
           self._send(int(action), b'{"error": {"message": "injected"}}')
           return

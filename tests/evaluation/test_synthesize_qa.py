@@ -5,6 +5,8 @@ import os
 import re
 import sys
 
+import pytest
+
 from cmimem_jax.data import bundled_path, load_dataset
 
 from fake_openai import FakeOpenAI  # noqa: I100
@@ -27,12 +29,18 @@ def qa_reply(content: str) -> str:
   ]}) + "\n```"
 
 
-def test_synthesizes_session_qa_and_counts_failures(tmp_path):
+def _dialogues(tmp_path):
+  """Two bundled dialogues without their QA pairs: (file, records)."""
   source = tmp_path / "dialogues.json"
   records = json.load(open(bundled_path()))[:2]
   for record in records:
     record.pop("session_qa")
   source.write_text(json.dumps(records))
+  return source, records
+
+
+def test_synthesizes_session_qa_and_counts_failures(tmp_path):
+  source, records = _dialogues(tmp_path)
   with FakeOpenAI(reply=qa_reply) as server:
     stats = synthesize_qa.main([f"--input={source}", "--model=fake",
                                 f"--base_url={server.base_url}",
@@ -49,3 +57,25 @@ def test_synthesizes_session_qa_and_counts_failures(tmp_path):
   session_qa = [q for q in first.questions if q.category != "knowledge-update"]
   assert {q.category for q in session_qa} == {"single-session", "temporal"}
   assert len(session_qa) == 3 * (len(first.sessions) - 1)
+
+
+def test_max_tokens_fits_a_capped_server_and_nothing_synthesized_fails(
+    tmp_path, capsys):
+  """Against a server capped at 512 tokens the default budget (1024) gets
+  a 400 for every session: the run exits non-zero with one line and
+  writes nothing; --max_tokens=512 synthesizes."""
+  source, _ = _dialogues(tmp_path)
+  with FakeOpenAI(reply=qa_reply, max_tokens_cap=512) as server:
+    flags = [f"--input={source}", "--model=fake",
+             f"--base_url={server.base_url}"]
+    with pytest.raises(SystemExit) as failed:
+      synthesize_qa.main(flags)
+    assert not (tmp_path / "dialogues_qa.json").exists()
+    stats = json.loads(capsys.readouterr().out)  # Still counted.
+    assert stats["failed_calls"] == {"http_4xx": stats["failed_sessions"]}
+    stats = synthesize_qa.main(flags + ["--max_tokens=512"])
+  message = failed.value.code
+  assert isinstance(message, str) and "\n" not in message
+  assert message.startswith("error: no QA pairs synthesized")
+  assert "http_4xx" in message and "--max_tokens=1024" in message
+  assert stats["pairs"] > 0 and "http_4xx" not in stats["failed_calls"]
