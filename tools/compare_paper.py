@@ -32,7 +32,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       default="markdown")
   parser.add_argument("--out", default="", help="also write to this file")
   args = parser.parse_args(argv)
-  ours = [OurResult.load(d) for d in args.results.split(",") if d]
+  workdirs = [d for d in args.results.split(",") if d]
+  missing = [path for path in (os.path.join(d, "results.json")
+                               for d in workdirs) if not os.path.isfile(path)]
+  if missing or not workdirs:
+    parser.exit(2, f"{parser.prog}: error: no {', '.join(missing) or 'workdir'}"
+                " (--results takes `python -m cmimem_jax.evaluate` workdirs,"
+                " comma separated)\n")
+  ours = [OurResult.load(d) for d in workdirs]
   comparisons = compare(ours)
   text = (to_markdown(comparisons) if args.format == "markdown"
           else json.dumps(comparisons, indent=1) + "\n")

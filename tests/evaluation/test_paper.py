@@ -121,3 +121,14 @@ def test_cli_on_a_locomo_rag_run(locomo_path, tmp_path, capsys):
       "differs": True}
   compare_paper.main([f"--results={tmp_path / 'rag'}"])
   assert "| Δ ours − RAG (top-10) |" in capsys.readouterr().out
+
+
+def test_cli_names_a_missing_results_file_in_one_line(tmp_path, capsys):
+  (tmp_path / "done" / "results.json").parent.mkdir()
+  (tmp_path / "done" / "results.json").write_text("{}")
+  with pytest.raises(SystemExit) as exit_:
+    compare_paper.main([f"--results={tmp_path / 'done'},{tmp_path / 'x'}"])
+  assert exit_.value.code == 2
+  (line,) = capsys.readouterr().err.splitlines()
+  assert f"error: no {tmp_path / 'x' / 'results.json'} " in line
+  assert "cmimem_jax.evaluate" in line
