@@ -10,11 +10,14 @@ and all problems are reported together in one `ConfigError`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
 
 import ml_collections
+
+from cmimem_jax.client import EndpointConfig
 
 DATASETS = ("longmemeval", "locomo", "memoryagentbench")
 # "" = the job's default (`data.registry.default_split`); the others are
@@ -126,8 +129,21 @@ def _check_memory(c: _Checker) -> None:
           lambda v: isinstance(v, int) and v >= 0, "a non-negative integer")
   c.check("memory.source_chunks", lambda v: isinstance(v, bool),
           "True or False")
-  for key in ("memory.compressor", "memory.merge_summarizer"):
-    c.check(key, lambda v: v in MEMORY_EDITORS, f"one of {MEMORY_EDITORS}")
+  c.check("memory.compressor", lambda v: v in MEMORY_EDITORS,
+          f"one of {MEMORY_EDITORS}")
+  merge_summarizers = MEMORY_EDITORS + ("external",)
+  c.check("memory.merge_summarizer", lambda v: v in merge_summarizers,
+          f"one of {merge_summarizers}")
+  if c.get("memory.merge_summarizer") == "external":
+    c.check("memory.summarizer_endpoint.base_url",
+            lambda v: isinstance(v, str) and v.startswith("http"),
+            "an http(s) URL")
+    c.check("memory.summarizer_endpoint.model",
+            lambda v: isinstance(v, str) and bool(v), "a model name")
+    try:
+      EndpointConfig.from_config(c.config.memory.summarizer_endpoint)
+    except (TypeError, ValueError) as e:
+      c.problems.append(f"memory.summarizer_endpoint: {e}")
   for key in ("memory.compress_max_tokens", "memory.merge_max_tokens"):
     c.check(key, _positive_int, "a positive integer (tokens)")
   c.check("memory.update_match_threshold",
@@ -204,8 +220,10 @@ def memory_defaults() -> ml_collections.ConfigDict:
       # "answer" (the QA answer model) or "none" (keep the newest lines).
       "compressor": "none",
       # Listing 9 for episodic MERGE: the same choices ("none" keeps the
-      # policy's own merged text).
+      # policy's own merged text), or "external": App. H.3's "external
+      # summarizer", the endpoint `summarizer_endpoint`.
       "merge_summarizer": "none",
+      "summarizer_endpoint": dataclasses.asdict(EndpointConfig()),
       # Answer budgets (tokens) of those calls: Listing 5 returns up to
       # compress_target_chars (3,000) characters of JSON.
       "compress_max_tokens": 1536,

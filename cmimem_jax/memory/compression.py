@@ -5,7 +5,8 @@ When a write pushes the core block over `compress_trigger · cap`, `Apply`
 calls `MemoryEditors.compress_core`; `ChatCompressor` asks a chat model
 (the policy, or an endpoint) with Listing 5 and reads its
 `{"content": ...}` answer. When the policy MERGEs episodic memories,
-`ChatMergeSummarizer` asks the model with Listing 9 for the merged text.
+`ChatMergeSummarizer` asks the model with Listing 9 for the merged text
+(the policy, the answer model or an external endpoint of its own).
 Any failure (a failed call, unreadable JSON, an empty or over-cap answer)
 raises; `Apply` counts it and falls back (newest core lines; the policy's
 own MERGE text).
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cmimem_jax.client import ChatModel
+from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
 from cmimem_jax.memory.apply import CoreConfig, MemoryEditors
 from cmimem_jax.memory.builder import core_config
 from cmimem_jax.memory.json_agents import loads_llm_json
@@ -83,6 +84,11 @@ def _model(memory: Any, key: str, models: Mapping[str, ChatModel | None]
   name = memory[key]
   if name == "none":
     return None
+  if name == "external":
+    # App. H.3's "external summarizer": an endpoint of its own, whatever
+    # the job's other models are.
+    return OpenAIClient(EndpointConfig.from_config(
+        memory.summarizer_endpoint))
   model = models.get(name)
   if model is None:
     raise ValueError(f"memory.{key}={name!r}, but this job has no {name} "
@@ -98,7 +104,9 @@ def memory_editors(memory: Any, models: Mapping[str, ChatModel | None]
   """`memory.compressor` and `memory.merge_summarizer` of a job over its
   models (`{"policy": ..., "answer": ...}`; a policy as its `free_text()`
   view), answers of up to `memory.compress_max_tokens` /
-  `merge_max_tokens`; "none" leaves that rewrite to its counted fallback.
+  `merge_max_tokens`; "none" leaves that rewrite to its counted fallback;
+  a MERGE summariser "external" is the OpenAI-compatible endpoint
+  `memory.summarizer_endpoint` (App. H.3).
 
   Raises:
     ValueError: a configured model is not part of this job.

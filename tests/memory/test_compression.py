@@ -2,12 +2,15 @@
 
 import collections
 import json
+import pathlib
+import sys
 
+import ml_collections
 import numpy as np
 import pytest
 
 from cmimem_jax.client import CallResult
-from cmimem_jax.config import memory_defaults
+from cmimem_jax.config import ConfigError, memory_defaults, validate_config
 from cmimem_jax.data import Session, Turn
 from cmimem_jax.encoders import HashingEncoder
 from cmimem_jax.memory import MemoryBank, parse
@@ -19,6 +22,10 @@ from cmimem_jax.memory.types import Action, MemoryType, Operation
 from cmimem_jax.sampling import ChatPolicy, load_tokenizer
 from cmimem_jax.sampling.sampler import SampleOutput, left_pad
 from cmimem_jax.task.episode import apply_to_copy
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]
+                       / "evaluation"))
+from fake_openai import FakeOpenAI  # noqa: E402
 
 ENCODER = HashingEncoder(64)
 CONFIG = CoreConfig(cap_chars=200, compress_trigger=0.9,
@@ -156,6 +163,47 @@ def test_a_failed_merge_summary_keeps_the_policy_text_and_counts(reply):
                         ENCODER, memory, editors, stats)
   assert after.stores[MemoryType.EPISODIC].entries[-1].text == DRAFT
   assert stats == {"merge_summary_failures": 1}
+
+
+def _external(base_url, model="summarizer"):
+  memory = _with(memory_defaults(), merge_summarizer="external")
+  memory.summarizer_endpoint.update({"base_url": base_url, "model": model,
+                                     "max_retries": 0})
+  return memory
+
+
+def test_an_external_endpoint_summarises_merges():
+  """App. H.3's "external summarizer": `merge_summarizer="external"` asks
+  `memory.summarizer_endpoint` with Listing 9, whatever the job's models."""
+  summary = "2024-03-15 to 2024-03-22: two cooking classes with Marco"
+  with FakeOpenAI(reply=lambda prompt: summary) as server:
+    memory = _external(server.base_url)
+    editors = memory_editors(memory, {"policy": None, "answer": None})
+    session = Session("s", 1, None, "", (Turn("t1", "user", "user", "hi"),))
+    stats = collections.Counter()
+    after = apply_to_copy(_episodic_bank(), session, parse(MERGE_RESPONSE),
+                          ENCODER, memory, editors, stats)
+    assert server.requests == 1
+  assert after.stores[MemoryType.EPISODIC].entries[-1].text == summary
+  assert stats == {"merges_summarized": 1}
+  assert editors.compress_core is None  # The compressor stays "none".
+
+
+def test_the_external_summariser_is_validated():
+  config = ml_collections.ConfigDict({"memory": _external("http://h/v1")})
+  validate_config(config, required=("memory",))
+  for changes, message in (({"base_url": "h:8000"}, "base_url"),
+                           ({"model": ""}, "summarizer_endpoint.model"),
+                           ({"retries": 2}, "unknown endpoint settings")):
+    bad = ml_collections.ConfigDict({"memory": _external("http://h/v1")})
+    bad.memory.summarizer_endpoint.update(changes)
+    with pytest.raises(ConfigError, match=message):
+      validate_config(bad, required=("memory",))
+  # Only MERGE has an external summariser (Listing 5 names none).
+  bad = ml_collections.ConfigDict({"memory": _with(memory_defaults(),
+                                                   compressor="external")})
+  with pytest.raises(ConfigError, match="memory.compressor"):
+    validate_config(bad, required=("memory",))
 
 
 class ScriptedEngine:
