@@ -9,7 +9,9 @@ append one JSON record per question to `DIR/predictions.jsonl`, flushed as
 soon as its wave of calls (as many as the models run at once) returns. A
 rerun skips questions already scored (failed judgements are retried) and
 repairs a torn last line; `DIR/settings.json` records what decides the
-results (`result_settings`), and a rerun with other settings is refused.
+results (`result_settings`) once the models are loaded (a run stopped
+before then, e.g. by a missing checkpoint, leaves the workdir free for the
+corrected command), and a rerun with other settings is refused.
 `DIR/results.json` holds overall / per-category / task-averaged scores,
 `n` and `failures` (judgements that could not be made, never scored).
 """
@@ -258,28 +260,39 @@ def result_settings(config) -> dict[str, Any]:
   return json.loads(json.dumps(settings))  # Tuples as lists, as stored.
 
 
+SETTINGS_FILE = "settings.json"
+
+
 def check_settings(workdir: str, settings: dict[str, Any]) -> None:
-  """Records `settings` in `workdir/settings.json`, or refuses a workdir
-  whose results came from other settings.
+  """Refuses a workdir whose results came from other settings (its
+  `settings.json`, written by `record_settings`).
 
   Raises:
     ValueError: naming each setting that differs.
   """
-  path = os.path.join(workdir, "settings.json")
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      stored = json.load(f)
-    changed = [f"{k}: {stored.get(k)!r} -> {settings.get(k)!r}"
-               for k in sorted(set(stored) | set(settings))
-               if stored.get(k) != settings.get(k)]
-    if changed:
-      raise ValueError(
-          f"{workdir} holds results of other settings ({'; '.join(changed)})"
-          ": use a new --workdir, or delete its predictions.jsonl, banks/ "
-          "and settings.json")
+  path = os.path.join(workdir, SETTINGS_FILE)
+  if not os.path.exists(path):
     return
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(settings, f, indent=1)
+  with open(path, encoding="utf-8") as f:
+    stored = json.load(f)
+  changed = [f"{k}: {stored.get(k)!r} -> {settings.get(k)!r}"
+             for k in sorted(set(stored) | set(settings))
+             if stored.get(k) != settings.get(k)]
+  if changed:
+    raise ValueError(
+        f"{workdir} holds results of other settings ({'; '.join(changed)})"
+        ": use a new --workdir, or delete its predictions.jsonl, banks/ "
+        "and settings.json")
+
+
+def record_settings(workdir: str, settings: dict[str, Any]) -> None:
+  """Writes `workdir/settings.json` (once: `check_settings` has refused
+  other settings), when the run's inputs have been validated and before
+  any result is written."""
+  path = os.path.join(workdir, SETTINGS_FILE)
+  if not os.path.exists(path):
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump(settings, f, indent=1)
 
 
 def calls_in_flight(model: ChatModel | None) -> int | None:
@@ -335,7 +348,9 @@ def evaluate(config, workdir: str) -> dict:
   if repeated:
     raise ValueError(f"{len(repeated)} question ids occur more than once "
                      f"(records would merge), e.g. {repeated[:5]}")
-  check_settings(workdir, result_settings(config))
+  # Refused before any model loads; recorded once they have.
+  settings = result_settings(config)
+  check_settings(workdir, settings)
   path = os.path.join(workdir, "predictions.jsonl")
   # Scored and unscorable records are final; failed judgements are redone.
   done = {qid for qid, r in read_records(path).items()
@@ -361,6 +376,7 @@ def evaluate(config, workdir: str) -> dict:
   if config.judge.kind == "llm":
     judge = LLMJudge(OpenAIClient(EndpointConfig.from_config(
         config.judge.endpoint)), config.judge.prompt)
+  record_settings(workdir, settings)
   failures: collections.Counter[str] = collections.Counter()
   # Questions scored per wave: as many as the models answer at once, so
   # each wave's records are written as soon as its calls return.

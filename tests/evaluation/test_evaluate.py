@@ -195,6 +195,29 @@ def test_a_rerun_with_other_settings_is_refused(locomo_path, tmp_path):
              str(tmp_path))
 
 
+def test_a_run_stopped_by_a_missing_checkpoint_records_no_settings(
+    locomo_path, tmp_path, monkeypatch):
+  """The builder's checkpoint is missing: the run stops before any result
+  and leaves no settings behind, so the corrected command may use the same
+  workdir."""
+  import cmimem_jax.evaluation.run as run
+
+  def no_checkpoint(section, constraint_regex=None):
+    del constraint_regex  # As `load_model_weights` fails on a wrong path:
+    raise FileNotFoundError(f"no checkpoint in {section.init_checkpoint}")
+
+  monkeypatch.setattr(run, "make_chat_model", no_checkpoint)
+  workdir = str(tmp_path / "eval")
+  with pytest.raises(FileNotFoundError, match="no_such_run"):
+    evaluate(eval_config(locomo_path, limit=2, method="prompting", **{
+        "builder.kind": "local",
+        "builder.init_checkpoint": str(tmp_path / "no_such_run")}), workdir)
+  assert not os.path.exists(os.path.join(workdir, "settings.json"))
+  monkeypatch.undo()
+  assert evaluate(eval_config(locomo_path, limit=2), workdir)["n"] == 2
+  assert os.path.exists(os.path.join(workdir, "settings.json"))
+
+
 def test_a_same_named_file_with_other_content_is_not_reused(locomo_path,
                                                             tmp_path):
   """The settings fingerprint holds the file's content, not its name: the
