@@ -1,11 +1,11 @@
 """Config validation shared by every entry point.
 
 Configs are `ml_collections.ConfigDict`s defined in `configs/*.py` and loaded
-with absl `config_flags` (`--config=configs/x.py --config.a.b=v`). Each
-section a config has is checked before anything is built or compiled (the
-shared sections here, the others by the package that owns them through
-`register_section`); an entry point checks only the sections it reads,
-and all problems are reported together in one `ConfigError`.
+with absl `config_flags` (`--config=configs/x.py --config.a.b=v`). The
+sections an entry point reads, and only those, are checked before anything
+is built or compiled (the shared sections here, the others by the package
+that owns them through `register_section`); all problems are reported
+together in one `ConfigError`.
 """
 
 from __future__ import annotations
