@@ -18,6 +18,7 @@ from cmimem_jax.task.build_memory import annotation_responder
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
 import reward_study  # noqa: E402
+import skip_calibration  # noqa: E402
 
 ENCODER = HashingEncoder(128)
 
@@ -107,3 +108,54 @@ def test_a_run_writes_intervals_auc_and_spearman(locomo_path, tmp_path):
         "auc_used", "spearman_use", "auc_own"}
   assert (tmp_path / "study.png").stat().st_size > 0
   assert "| own |" in (tmp_path / "study.md").read_text()
+
+
+# -- tools/skip_calibration.py ------------------------------------------------
+
+
+def test_skip_cases_are_built_as_stated(locomo_dialogues):
+  """Per session with user statements: the store before it (skipping is
+  wrong), plus the statements verbatim, plus LoCoMo's observations of the
+  user (both: skipping is right); the verbatim case is judged justified
+  and the not-stored one is not."""
+  from cmimem_jax.cmi.reward import RewardComputer
+  from cmimem_jax.data.fragments import user_statements
+  dialogue = locomo_dialogues[0]
+  built = skip_calibration.cases(dialogue, ENCODER, memory_defaults())
+  by_session = {}
+  for label, t, rollout in built:
+    by_session.setdefault(t, {})[label] = rollout
+  t, rollouts = next((t, r) for t, r in sorted(by_session.items())
+                     if t > 0 and len(r) == 3)
+  before = rollouts["not_stored"].bank
+  semantic = lambda bank: [e.text for e in bank.entries(  # noqa: E731
+      MemoryType.SEMANTIC)]
+  statements = user_statements(dialogue.sessions[t].user_turns())
+  assert semantic(rollouts["verbatim"].bank) == semantic(before) + statements
+  observed = skip_calibration.user_observations(dialogue, dialogue.sessions[t])
+  assert observed and semantic(rollouts["paraphrased"].bank) == (
+      semantic(before) + observed)
+  assert rollouts["not_stored"].response.valid
+  terms = RewardComputer(ENCODER)([rollouts["verbatim"],
+                                   rollouts["not_stored"]])
+  assert terms[0].semantic_skip_rho == pytest.approx(0.0, abs=1e-3)
+  assert terms[0].semantic_skip_justified is True
+  assert terms[1].semantic_skip_justified is False
+
+
+def test_the_threshold_maximises_youden_and_takes_the_smallest_tie():
+  scores = np.array([0.0, 0.1, 0.3, 0.2, 0.5, 0.6])
+  positive = np.array([1, 1, 1, 0, 0, 0], bool)
+  # Below 0.15: J = 2/3 - 0; below 0.4: J = 1 - 1/3: a tie, the smaller.
+  assert skip_calibration.choose_threshold(scores, positive) == pytest.approx(
+      0.15)
+  assert skip_calibration.choose_threshold(
+      np.array([0.0, 0.1, 0.5]), np.array([1, 1, 0], bool)) == pytest.approx(
+          0.3)
+
+
+def test_the_calibration_refuses_held_out_conversations(tmp_path):
+  from configs import reward_study as study_config
+  with pytest.raises(ValueError, match="training conversations"):
+    skip_calibration.run(study_config.get_config(), str(tmp_path), "0:5",
+                         "5:8")

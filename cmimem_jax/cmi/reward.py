@@ -99,6 +99,11 @@ class RewardConfig:
   core_specificity_weight: float = 0.3
   generic_core_patterns: tuple[str, ...] = DEFAULT_GENERIC_CORE_PATTERNS
   semantic_skip_bonus: float = 0.1
+  # A semantic SKIP is justified below this ρ (`_semantic_skip_rho`):
+  # chosen on LoCoMo training conversations with all-MiniLM-L6-v2 by
+  # tools/skip_calibration.py (RESULTS.md "Semantic SKIP calibration");
+  # another encoder needs its own run.
+  semantic_skip_threshold: float = 0.232
   attribution_weight: float = 4.0
 
   def __post_init__(self):
@@ -317,6 +322,7 @@ class RewardTerms:
   core_generic: bool
   core_specificity_factor: float
   semantic_skip_justified: bool | None
+  semantic_skip_rho: float | None  # What the judgement compared (SKIPs).
   semantic_skip_bonus: float
   total: float
   reward: float  # `total` gated by validity: what the advantage uses.
@@ -643,7 +649,7 @@ class RewardComputer:
                        for pattern in self._generic)
     # Justified when nothing in the session is novel for the semantic store.
     justified = (None if semantic_skip_rho is None
-                 else semantic_skip_rho < config.mu - config.sigma)
+                 else semantic_skip_rho < config.semantic_skip_threshold)
     skip_bonus = (0.0 if justified is None else
                   config.semantic_skip_bonus if justified
                   else -config.semantic_skip_bonus)
@@ -666,7 +672,8 @@ class RewardComputer:
         intra_duplicate_fraction=intra, intra_duplicate_factor=factors["intra"],
         cross_duplicate_fraction=cross, cross_duplicate_factor=factors["cross"],
         core_generic=core_generic, core_specificity_factor=factors["core"],
-        semantic_skip_justified=justified, semantic_skip_bonus=skip_bonus,
+        semantic_skip_justified=justified,
+        semantic_skip_rho=semantic_skip_rho, semantic_skip_bonus=skip_bonus,
         total=total, reward=total if valid else 0.0, empty=empty,
         operations=operations, line_weights=line_weights,
         dominant_type=dominant)
