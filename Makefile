@@ -17,6 +17,13 @@ TUNIX_DIR := .tunix
 TUNIX_PACKAGES := google-tunix==0.1.7 google-metrax==0.2.4 clu==0.0.12 \
 	perfetto==0.59.1 qwix==0.1.8 wrapt==2.5.2 jaxtyping==0.3.11 \
 	wadler-lindig==0.1.8 einops==0.8.2
+# verl's `core_algos`, the reference of tests/rl/test_parity.py: 0.4.0
+# (what MemBuilder's launch script runs on) and 0.4.1 (the first with the
+# log-ratio clamp). The wheels only, no dependencies (verl 0.4 pulls in
+# Ray, wandb, hydra and tensordict <= 0.6.2), beside the environment; the
+# test imports the module by file path.
+VERL_REF := $(VENV)/reference
+VERL_VERSIONS := 0.4.0 0.4.1
 # pytest-xdist workers for `make test` (one per core; `PYTEST_WORKERS=0`
 # runs the suite in this process). Each test file runs on one worker, so
 # module fixtures are built once; the workers share compiled programs
@@ -67,16 +74,21 @@ rehearsal: $(STAMP)
 	@rm -rf $(REHEARSAL)
 	@$(PY) tools/rehearse.py --workdir=$(REHEARSAL)
 
-test: $(STAMP) $(TUNIX_DIR)/.installed
+test: $(STAMP) $(TUNIX_DIR)/.installed $(VERL_REF)/.installed
 	$(PYTEST)
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(VERL_REF)/.installed
 	$(PYTEST) -m "not slow"
 
 tunix-peer: $(TUNIX_DIR)/.installed
 
 $(TUNIX_DIR)/.installed: | $(STAMP)
 	$(PY) -m pip install --quiet --no-deps --target $(TUNIX_DIR) $(TUNIX_PACKAGES)
+	touch $@
+
+$(VERL_REF)/.installed: | $(STAMP)
+	for v in $(VERL_VERSIONS); do $(PY) -m pip install --quiet --no-deps \
+	  --target $(VERL_REF)/verl-$$v verl==$$v || exit 1; done
 	touch $@
 
 clean:

@@ -11,6 +11,12 @@ gives exactly the full-batch value. Two aggregations (SPEC §5):
 "token_mean" (every completion token of the global batch weighs the same:
 verl's default, which MemBuilder's run uses) and "sequence_mean" (each
 sequence's tokens averaged, then the sequences: the GRPO paper's Eq.).
+
+The GRPO objective is verl's actor loss term by term (`core_algos`:
+`compute_policy_loss` with dual-clip, `kl_penalty` "low_var_kl",
+`agg_loss`; tests/rl/test_parity.py checks it against verl 0.4.0, the
+version MemBuilder's launch script runs on, and 0.4.1, the first with the
+log-ratio clamp), and TRL's GRPO loss with dual-clip and clamps off.
 """
 
 from __future__ import annotations
@@ -53,6 +59,17 @@ class GRPOLossConfig:
   epsilon_high: float = 0.2  # ratio ceiling 1 + epsilon_high (A > 0 side).
   kl_beta: float = 0.02      # 0 skips the reference model entirely.
   aggregation: str = "token_mean"  # One of AGGREGATIONS.
+  # Dual-clip PPO (Ye et al. 2020, verl's `clip_ratio_c`): where A < 0 the
+  # per-token objective is at least clip_ratio_c · A, so a far off-policy
+  # token (ratio > clip_ratio_c) stops pushing. 0 turns it off; else > 1.
+  clip_ratio_c: float = 3.0
+  # |log π − log π_old| and |log π_ref − log π| are clamped to this before
+  # exp() (verl >= 0.4.1's numerics guard: no inf ratio, so no 0 · inf NaN
+  # at A = 0 or in the KL's gradient). 0 turns it off.
+  log_ratio_clamp: float = 20.0
+  # The k3 KL per token is clamped to [−kl_clamp, kl_clamp] (verl's
+  # "low_var_kl"; every verl version). 0 turns it off (TRL's k3).
+  kl_clamp: float = 10.0
 
   # `[B, T]` arrays, `advantages` `[B]`.
   batch_keys: ClassVar[tuple[str, ...]] = (
@@ -64,6 +81,13 @@ class GRPOLossConfig:
       raise ValueError("need 0 <= epsilon_low < 1 and epsilon_high >= 0")
     if not self.kl_beta >= 0:  # NaN fails too.
       raise ValueError("kl_beta must be >= 0")
+    if not (self.clip_ratio_c == 0 or self.clip_ratio_c > 1):
+      raise ValueError(f"clip_ratio_c must be 0 (no dual-clip) or > 1, got "
+                       f"{self.clip_ratio_c!r}")
+    for name in ("log_ratio_clamp", "kl_clamp"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"{name} must be >= 0 (0: off), got "
+                         f"{getattr(self, name)!r}")
     if self.aggregation not in AGGREGATIONS:
       raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got "
                        f"{self.aggregation!r}")
@@ -110,11 +134,60 @@ def _weighted_mean(token_scale: jax.Array):
   return mask, lambda x: jnp.sum(jnp.where(mask > 0, x * token_scale, 0.0))
 
 
-def k3_kl(logprobs: jax.Array, ref_logprobs: jax.Array) -> jax.Array:
+def _clamp(x: jax.Array, bound: float) -> jax.Array:
+  """`x` clipped to [−bound, bound]; unchanged for bound 0 (off)."""
+  return jnp.clip(x, -bound, bound) if bound else x
+
+
+def k3_kl(logprobs: jax.Array, ref_logprobs: jax.Array,
+          log_ratio_clamp: float = 0.0, kl_clamp: float = 0.0) -> jax.Array:
   """Schulman's k3 estimator of KL(π‖π_ref) per token: e^{Δ} − Δ − 1 with
-  Δ = log π_ref − log π (non-negative, unbiased)."""
-  delta = ref_logprobs - logprobs
-  return jnp.exp(delta) - delta - 1.0
+  Δ = log π_ref − log π (non-negative, unbiased); verl's "low_var_kl"
+  with Δ clamped to ±`log_ratio_clamp` and the result to ±`kl_clamp`
+  (0: no clamp). Shapes: any, alike."""
+  delta = _clamp(ref_logprobs - logprobs, log_ratio_clamp)
+  return _clamp(jnp.exp(delta) - delta - 1.0, kl_clamp)
+
+
+def grpo_token_terms(logprobs: jax.Array, old_logprobs: jax.Array,
+                     advantages: jax.Array, mask: jax.Array,
+                     config: GRPOLossConfig,
+                     ref_logprobs: jax.Array | None = None
+                     ) -> dict[str, jax.Array]:
+  """The per-token terms of the GRPO objective, before weights and means.
+
+  Args:
+    logprobs: `[B, T]` current policy log-probs (differentiated).
+    old_logprobs: `[B, T]` log-probs of the policy that sampled.
+    advantages: `[B]` group advantages.
+    mask: `[B, T]` loss tokens (> 0); off it every log-prob reads 0, so
+      padding may hold anything.
+    config: clip range, dual-clip, clamps.
+    ref_logprobs: `[B, T]` frozen reference log-probs, or None (no "kl").
+
+  Returns:
+    `[B, T]` arrays: "ratio" π/π_old (after the log-ratio clamp),
+    "surrogate" (the clipped, dual-clipped objective; verl's −pg_losses),
+    "log_ratio" (unclamped, stopped) and, with `ref_logprobs`, "kl" (k3).
+  """
+  # Masked-out positions may hold arbitrary values: garbage must not reach
+  # exp() (its gradient is multiplied by 0 there, and 0 · inf is NaN).
+  on = lambda x: jnp.where(mask > 0, x, 0.0)
+  adv = advantages[:, None].astype(jnp.float32)
+  log_ratio = on(logprobs) - on(jax.lax.stop_gradient(old_logprobs))
+  ratio = jnp.exp(_clamp(log_ratio, config.log_ratio_clamp))
+  clipped = jnp.clip(ratio, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
+  surrogate = jnp.minimum(ratio * adv, clipped * adv)
+  if config.clip_ratio_c:
+    surrogate = jnp.where(adv < 0, jnp.maximum(surrogate,
+                                               config.clip_ratio_c * adv),
+                          surrogate)
+  terms = {"ratio": ratio, "surrogate": surrogate,
+           "log_ratio": jax.lax.stop_gradient(log_ratio)}
+  if ref_logprobs is not None:
+    terms["kl"] = k3_kl(on(logprobs), on(jax.lax.stop_gradient(ref_logprobs)),
+                        config.log_ratio_clamp, config.kl_clamp)
+  return terms
 
 
 def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array,
@@ -132,7 +205,7 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array,
     token_scale: `[B, T]` each completion token's share of the *global*
       batch mean (`aggregation_scale` of the loss mask; 0 off it).
     token_weights: `[B, T]` per-token loss weights (attribution).
-    config: clip range, KL weight.
+    config: clip range, dual-clip, clamps, KL weight.
     ref_logprobs: `[B, T]` frozen reference log-probs (needed if β > 0).
     entropy: `[B, T]` optional, only reported.
 
@@ -141,24 +214,20 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array,
     summed over micro-batches).
   """
   mask, mean = _weighted_mean(token_scale)
-  adv = advantages[:, None].astype(jnp.float32)
-  log_ratio = logprobs - jax.lax.stop_gradient(old_logprobs)
-  # Masked-out positions may hold arbitrary values: keep exp() finite.
-  ratio = jnp.exp(jnp.where(mask > 0, log_ratio, 0.0))
-  clipped = jnp.clip(ratio, 1.0 - config.epsilon_low, 1.0 + config.epsilon_high)
-  surrogate = jnp.minimum(ratio * adv, clipped * adv)
+  if config.kl_beta > 0 and ref_logprobs is None:
+    raise ValueError("kl_beta > 0 needs ref_logprobs")
+  terms = grpo_token_terms(logprobs, old_logprobs, advantages, mask, config,
+                           ref_logprobs if config.kl_beta > 0 else None)
+  ratio, adv = terms["ratio"], advantages[:, None]
   # Attribution weights (App. D Eq. 16) scale the policy-gradient term
   # only; the KL regulariser stays unweighted.
-  objective = surrogate * token_weights
+  objective = terms["surrogate"] * token_weights
   # The policy-gradient term alone (App. I's Figure 4 tracks it apart
   # from the KL penalty).
   stats = {"pg_loss": -mean(jax.lax.stop_gradient(objective))}
-  if config.kl_beta > 0:
-    if ref_logprobs is None:
-      raise ValueError("kl_beta > 0 needs ref_logprobs")
-    kl = k3_kl(logprobs, jax.lax.stop_gradient(ref_logprobs))
-    objective = objective - config.kl_beta * kl
-    stats["kl"] = mean(kl)
+  if "kl" in terms:
+    objective = objective - config.kl_beta * terms["kl"]
+    stats["kl"] = mean(terms["kl"])
   loss = -mean(objective)
   stats.update(
       loss=loss,
@@ -166,8 +235,13 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array,
                          .astype(jnp.float32)),
       clip_high_frac=mean(((ratio > 1.0 + config.epsilon_high) & (adv > 0))
                           .astype(jnp.float32)),
+      # Tokens held at clip_ratio_c · A by the dual clip (verl's
+      # pg_clipfrac_lower); 0 with it off.
+      dual_clip_frac=(mean(((ratio > config.clip_ratio_c) & (adv < 0))
+                           .astype(jnp.float32))
+                      if config.clip_ratio_c else jnp.zeros(())),
       ratio_mean=mean(ratio),
-      logprob_gap=mean(jnp.abs(jax.lax.stop_gradient(log_ratio))))
+      logprob_gap=mean(jnp.abs(terms["log_ratio"])))
   if entropy is not None:
     stats["entropy"] = mean(jax.lax.stop_gradient(entropy))
   return loss, stats

@@ -122,11 +122,13 @@ def _check_training(c) -> None:
     if c.get(key) == "answer" and c.get("qa.judge") != "llm":
       c.problems.append(f"{key}='answer' needs qa.judge='llm' (the answer "
                         "model is its endpoint)")
+  for name in OPTIONAL_LOSS_KEYS:
+    if name in c.get("rl"):
+      c.check(f"rl.{name}", lambda v: finite_number(v, 0.0),
+              "a finite number >= 0 (0: off)")
   try:
-    loss = GRPOLossConfig(c.get("rl.epsilon_low"), c.get("rl.epsilon_high"),
-                          c.get("rl.kl_beta"), c.get("rl.loss_aggregation"))
-    del loss
-  except (TypeError, ValueError) as e:
+    grpo_loss_config(c.get("rl"))
+  except (TypeError, ValueError, AttributeError) as e:
     c.problems.append(f"rl: {e}")
   rollouts, sessions = c.get("rollout.num_rollouts"), c.get(
       "rl.sessions_per_batch")
@@ -152,6 +154,18 @@ def _check_training(c) -> None:
 
 
 register_section("rl", _check_training)
+
+# `rl` keys of the objective a config may leave out: absent, they take
+# GRPOLossConfig's defaults (verl's actor: dual-clip 3, clamps 20 and 10).
+OPTIONAL_LOSS_KEYS = ("clip_ratio_c", "log_ratio_clamp", "kl_clamp")
+
+
+def grpo_loss_config(rl: Any) -> GRPOLossConfig:
+  """The GRPO objective of an `rl` config section (raises ValueError on a
+  bad value, AttributeError on a missing required key)."""
+  return GRPOLossConfig(
+      rl.epsilon_low, rl.epsilon_high, rl.kl_beta, rl.loss_aggregation,
+      **{name: rl[name] for name in OPTIONAL_LOSS_KEYS if name in rl})
 
 
 def _check_buckets(c) -> None:
@@ -254,8 +268,7 @@ class Trainer:
     if self.constraint is not None:
       min_budget = self.constraint.padded_tables(model.config.vocab_size)[1]
     self.learner = Learner(model, TrainStepConfig(
-        loss=GRPOLossConfig(rl.epsilon_low, rl.epsilon_high, rl.kl_beta,
-                            rl.loss_aggregation),
+        loss=grpo_loss_config(rl),
         optimizer=OptimizerConfig(
             learning_rate=rl.learning_rate, warmup_steps=rl.warmup_steps,
             weight_decay=rl.weight_decay, grad_clip_norm=rl.grad_clip_norm),

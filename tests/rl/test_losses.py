@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -111,3 +112,61 @@ def test_sequence_mean_weighs_rows_not_tokens():
   np.testing.assert_allclose(scale, [[1 / 6] * 3, [0.5, 0, 0]], rtol=1e-6)
   with pytest.raises(ValueError, match="aggregation"):
     GRPOLossConfig(aggregation="sum")
+
+
+def test_dual_clip_bounds_negative_advantages_hand_computed():
+  """verl's dual-clip: where A < 0 the objective is at least c · A."""
+  old = np.log(np.array([[0.1, 0.1, 0.1]]))
+  logp = np.log(np.array([[0.5, 0.25, 0.05]]))  # Ratios 5, 2.5, 0.5.
+  mask, ones = np.ones((1, 3)), np.ones((1, 3))
+  per_token = {3.0: [-3.0, -2.5, -0.8], 0.0: [-5.0, -2.5, -0.8]}
+  for c, want in per_token.items():
+    config = GRPOLossConfig(kl_beta=0.0, clip_ratio_c=c)
+    loss, stats = _loss(logp, old, [-1.0], mask, ones, config)
+    np.testing.assert_allclose(loss, -np.mean(want), rtol=1e-6)
+    np.testing.assert_allclose(stats["dual_clip_frac"], 1 / 3 if c else 0,
+                               rtol=1e-6)
+  # A > 0 is never dual-clipped: ratio 5 is held at 1 + ε as without it.
+  loss, _ = _loss(logp, old, [1.0], mask, ones, GRPOLossConfig(kl_beta=0.0))
+  np.testing.assert_allclose(loss, -np.mean([1.2, 1.2, 0.5]), rtol=1e-6)
+
+
+def test_log_ratio_clamp_keeps_far_tokens_finite():
+  """A log-ratio past exp()'s float32 range at A = 0 (a zero-variance
+  group) is inf · 0 = NaN without verl's ±20 clamp."""
+  logp, old = np.array([[0.0, -1.0]]), np.array([[-100.0, -1.0]])
+  ref = np.array([[-100.0, -1.0]])
+  mask, ones = np.ones((1, 2)), np.ones((1, 2))
+
+  def value_and_grad(config):
+    scale = aggregation_scale(jnp.asarray(mask), config.aggregation)
+    return jax.value_and_grad(lambda lp: grpo_loss(
+        lp, jnp.asarray(old), jnp.asarray([0.0]), scale, jnp.asarray(ones),
+        config, ref_logprobs=jnp.asarray(ref))[0])(jnp.asarray(logp))
+
+  loss, grad = value_and_grad(GRPOLossConfig())
+  assert np.isfinite(float(loss)) and np.all(np.isfinite(grad))
+  # k3 at Δ = -20: e^-20 + 19, clamped to 10; the other token's k3 is 0.
+  np.testing.assert_allclose(loss, 0.02 * 10 / 2, rtol=1e-6)
+  loss, _ = value_and_grad(GRPOLossConfig(log_ratio_clamp=0.0, kl_clamp=0.0))
+  assert np.isnan(float(loss))
+
+
+def test_clip_options_are_validated_and_read_from_config():
+  with pytest.raises(ValueError, match="clip_ratio_c must be 0"):
+    GRPOLossConfig(clip_ratio_c=1.0)
+  with pytest.raises(ValueError, match="kl_clamp must be >= 0"):
+    GRPOLossConfig(kl_clamp=-1.0)
+  from cmimem_jax.config import ConfigError, validate_config
+  from cmimem_jax.task.loop import grpo_loss_config
+  from configs import tiny
+  config = tiny.get_config()
+  config.rl.update({"clip_ratio_c": 0.0, "log_ratio_clamp": 5.0})
+  loss = grpo_loss_config(config.rl)
+  assert (loss.clip_ratio_c, loss.log_ratio_clamp, loss.kl_clamp) == (
+      0.0, 5.0, 10.0)
+  del config.rl["kl_clamp"]  # Absent: GRPOLossConfig's (verl's) default.
+  assert grpo_loss_config(config.rl).kl_clamp == GRPOLossConfig.kl_clamp
+  config.rl.clip_ratio_c = 0.5
+  with pytest.raises(ConfigError, match="clip_ratio_c must be 0"):
+    validate_config(config, required=("rl",))
