@@ -286,9 +286,12 @@ def run_command(main: Callable[[list[str]], None], workdir: bool = True
   data, workdir and runtime errors (`ValueError`, `OSError`,
   `RuntimeError`); a job stopped by SIGTERM / SIGINT exits 128 + signal.
   `--verbosity=1` or `CMIMEM_TRACEBACK=1` shows the traceback instead.
-  Logs below WARNING are off unless `--verbosity` is given."""
+  Logs below WARNING are off unless `--verbosity` is given. JAX's
+  persistent compilation cache is on (`caches.enable_compilation_cache`)."""
   import sys
   from absl import app, flags
+
+  from cmimem_jax.caches import enable_compilation_cache
   define_command_line_flags(workdir)
 
   def parse(argv: list[str]) -> list[str]:
@@ -313,6 +316,8 @@ def run_command(main: Callable[[list[str]], None], workdir: bool = True
       raise  # Unreachable: _fail exits.
 
   def guarded(argv: list[str]) -> None:
+    # Before anything compiles: restarts load the programs compiled before.
+    enable_compilation_cache()
     try:
       main(argv)
     except Interrupted as e:

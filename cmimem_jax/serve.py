@@ -2,12 +2,19 @@
 is `serving.Server`.
 
   python -m cmimem_jax.serve --config=configs/serve_cpu.py --port=8000
+
+Prints one line when listening (`/health` answers 503 while it warms up),
+one per warm-up program (`warm-up k/n: batch B, prompt bucket T`), and
+`ready at URL` once `/health` answers 200. Ctrl-C or SIGTERM drains the
+requests in flight (`serve.shutdown_timeout_s`, then 503) and stops it.
+Compiled programs are kept in JAX's persistent compilation cache
+(`cmimem_jax.caches`), so a restart loads them.
 """
 
 import os
 import sys
 
-from absl import flags, logging
+from absl import flags
 
 from cmimem_jax.config import run_command
 from cmimem_jax.serving import Server
@@ -16,19 +23,26 @@ _HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port (0: any free port).")
 
 
+def _progress(k: int, n: int, batch: int, bucket: int, seconds: float
+              ) -> None:
+  print(f"warm-up {k}/{n}: batch {batch}, prompt bucket {bucket} "
+        f"({seconds:.1f} s)", flush=True)
+
+
 def main(argv: list[str]) -> None:
   del argv
-  server = Server(flags.FLAGS.config, _HOST.value, _PORT.value)
-  logging.info("serving %s at %s", flags.FLAGS.config.serve.model_name,
-               server.base_url)
-  print(f"serving at {server.base_url}", flush=True)
   try:
+    server = Server(flags.FLAGS.config, _HOST.value, _PORT.value, _progress,
+                    lambda url: print(f"ready at {url}", flush=True))
+    print(f"listening at {server.base_url}: warming up "
+          f"{len(server.programs)} programs (/health answers 503 until "
+          "ready)", flush=True)
     server.serve_forever()
-  except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has stopped.
+  except KeyboardInterrupt:  # Ctrl-C; uvicorn re-raises it once drained.
     pass
   # A generate or encode call still running in a worker thread cannot be
   # interrupted: leave without waiting for it. (SIGTERM never gets here:
-  # uvicorn re-raises it after the graceful shutdown, ending the process.)
+  # uvicorn re-raises it after the drain, ending the process.)
   print("server stopped", flush=True)
   sys.stderr.flush()
   os._exit(0)

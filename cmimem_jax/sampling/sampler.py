@@ -238,6 +238,11 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
   return out_tokens, out_logprobs, lengths, prompt_cache, cache
 
 
+# A shape's KV buffers, allocated by one program that `Sampler.compile`
+# builds ahead (eagerly, each `jnp.zeros` would compile on first use).
+_zero_cache = jax.jit(KVCache.zeros, static_argnums=(0, 1, 2))
+
+
 def shared_prompt_group(prompts: Sequence[Sequence[int]]) -> int:
   """N when the prompts are groups of N consecutive identical prompts (a
   GRPO batch: N rollouts per session), else 1."""
@@ -296,8 +301,10 @@ class Sampler:
     self.model = model
     self.share_prompts = share_prompts
     self.max_rows_per_wave = max_rows_per_wave
+    self._sharding = (None if mesh is None
+                      else NamedSharding(mesh, PartitionSpec()))
     self._place = (lambda x: x) if mesh is None else functools.partial(
-        jax.device_put, device=NamedSharding(mesh, PartitionSpec()))
+        jax.device_put, device=self._sharding)
     # The splash attention kernel of a TPU prefill shards over the mesh in
     # context (`models.attention`).
     self._mesh_context = ((lambda: contextlib.nullcontext()) if mesh is None
@@ -393,6 +400,52 @@ class Sampler:
     return SampleOutput(*(np.concatenate([getattr(o, f.name) for o in outs])
                           for f in dataclasses.fields(SampleOutput)))
 
+  def compile(self, rows: int, length: int, max_new_tokens: int,
+              constrained: bool = True) -> None:
+    """Compiles, or loads from JAX's persistent compilation cache, the
+    program `generate` runs for `rows` distinct prompts (no shared
+    prefill) in prompt bucket `length` with `max_new_tokens`, from abstract
+    shapes: nothing runs and no KV cache is allocated. A later `generate`
+    of that shape runs it without compiling."""
+    config = dataclasses.replace(self.config, max_new_tokens=max_new_tokens)
+    tokens = np.zeros((rows, length), np.int32)
+    per_row = np.zeros((rows,), np.float32)
+    abstract = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=self._sharding))
+    cache_shapes = ((rows, length), (rows, max_new_tokens))
+    for s in cache_shapes:
+      _zero_cache.lower(self.model.config, *s).compile()
+    caches = tuple(abstract(jax.eval_shape(functools.partial(
+        KVCache.zeros, self.model.config, *s))) for s in cache_shapes)
+    # The key as `generate` gets it: split from another key.
+    key = abstract(jax.eval_shape(
+        lambda: jax.random.split(jax.random.key(0))[0]))
+    constraint = self._constraint_arrays if constrained else None
+    with self._mesh_context():
+      _generate.lower(*self._arguments(
+          tokens, tokens, caches, key, per_row, per_row,
+          per_row.astype(np.int32), constraint),
+                      **self._static_arguments(config)).compile()
+
+  def _arguments(self, tokens: np.ndarray, mask: np.ndarray,
+                 caches: tuple[KVCache, KVCache], key: jax.Array,
+                 temperature: np.ndarray, top_p: np.ndarray,
+                 budgets: np.ndarray,
+                 constraint: tuple[jax.Array, ...] | None) -> tuple:
+    """`_generate`'s positional arguments, placed as `_wave` runs them
+    (`compile` lowers the same, so both select one program)."""
+    place = lambda x: self._place(jnp.asarray(x))  # noqa: E731
+    if not isinstance(key, jax.ShapeDtypeStruct):
+      key = self._place(key)
+    return (self.model, place(tokens), place(mask), *caches, key,
+            place(temperature), place(top_p), place(budgets),
+            self.stop_table, constraint)
+
+  @staticmethod
+  def _static_arguments(config: SamplingConfig) -> dict:
+    return {"max_new_tokens": config.max_new_tokens,
+            "eos_ids": tuple(config.eos_ids), "pad_id": config.pad_id}
+
   def _wave(self, prompts: Sequence[Sequence[int]], key: jax.Array,
             temperature: np.ndarray, top_p: np.ndarray, budgets: np.ndarray,
             config: SamplingConfig, length: int, group: int,
@@ -407,15 +460,13 @@ class Sampler:
     # handed back, so decoding updates them in place and calls never
     # reallocate them.
     caches = self._caches.pop(shape, None) or tuple(
-        self._place(KVCache.zeros(self.model.config, *s))
+        self._place(_zero_cache(self.model.config, *s))
         for s in (shape[:2], shape[2:]))
-    place = lambda x: self._place(jnp.asarray(x))  # noqa: E731
     with self._mesh_context():
       out_tokens, out_logprobs, lengths, *caches = _generate(
-          self.model, place(tokens), place(mask), *caches, self._place(key),
-          place(temperature), place(top_p), place(budgets), self.stop_table,
-          constraint, max_new_tokens=config.max_new_tokens,
-          eos_ids=tuple(config.eos_ids), pad_id=config.pad_id)
+          *self._arguments(tokens, mask, caches, key, temperature, top_p,
+                           budgets, constraint),
+          **self._static_arguments(config))
     self._caches[shape] = tuple(caches)
     while len(self._caches) > self.max_cached_shapes:
       self._caches.popitem(last=False)

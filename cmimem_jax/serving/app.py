@@ -10,7 +10,8 @@ reading), a body not received within `body_timeout_s` 408, more than
 `max_embedding_inputs` embedding inputs 413 (longer inputs than
 `max_embedding_chars` 400), JSON nested too deeply 400, a missing or wrong
 key 401 (compared in constant time), another model's name 404
-`model_not_found`, any request before the programs are compiled 503.
+`model_not_found`, any request before the programs are compiled 503, a
+chat request the server stops before answering 503.
 Responses to requests whose body may be left unread close the connection.
 """
 
@@ -35,7 +36,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from cmimem_jax.encoders import Encoder
-from cmimem_jax.serving.batcher import ChatBatcher, Completion
+from cmimem_jax.serving.batcher import ChatBatcher, Completion, ShuttingDown
 
 
 class RequestError(ValueError):
@@ -224,6 +225,8 @@ def make_app(batcher: ChatBatcher | None, encoder: Encoder | None,
         return _error(e.status, str(e), e.headers)
       except ValueError as e:  # E.g. a prompt over the length limit.
         return _error(400, str(e))
+      except ShuttingDown as e:
+        return _error(503, str(e))
       except Exception as e:  # noqa: BLE001 - reported, not hidden.
         logging.exception("request failed")
         return _error(500, f"{type(e).__name__}: {e}")

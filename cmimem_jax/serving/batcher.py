@@ -6,7 +6,8 @@ compiled program is chosen only by the batch size, padded up to a power of
 two, and the prompt bucket: the token cap is always the server's
 `max_new_tokens`, each row stopping at its own budget. A server therefore
 compiles at most `log2(max_batch) + 1` programs per prompt bucket, all of
-which `warm_up` can build before the first request.
+which `warm_up` builds before the first request (compiling, or loading from
+JAX's persistent compilation cache, without generating).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from absl import logging
 
 from cmimem_jax.sampling import ChatPolicy
+from cmimem_jax.sampling.sampler import bucket_length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,17 @@ class _Request:
   top_p: float
   max_tokens: int
   future: concurrent.futures.Future
+
+
+class ShuttingDown(RuntimeError):
+  """A request the server could not finish before stopping (answered 503)."""
+
+  def __init__(self):
+    super().__init__("the server is shutting down; retry later")
+
+
+# progress(k, n, batch size, prompt bucket, seconds): program k of n built.
+Progress = Callable[[int, int, int, int, float], None]
 
 
 def padded_batch_size(rows: int) -> int:
@@ -65,6 +78,8 @@ class ChatBatcher:
     self._key = jax.random.key(seed)
     self.batches: list[int] = []  # Requests served by each generate call.
     self._closing = False
+    # The batch being collected or generated.
+    self._running: list[_Request] = []
     self._thread = threading.Thread(target=self._loop, daemon=True,
                                     name="chat-batcher")
     self._thread.start()
@@ -74,41 +89,59 @@ class ChatBatcher:
     """Queues an encoded prompt; the future resolves to a `Completion`."""
     future: concurrent.futures.Future = concurrent.futures.Future()
     if self._closing:
-      future.set_exception(RuntimeError("the server is shutting down"))
+      future.set_exception(ShuttingDown())
       return future
     self._queue.put(_Request(prompt, temperature, top_p, max_tokens, future))
     return future
 
-  def warm_up(self, prompt_tokens: int = 1) -> None:
-    """Compiles the program of every batch size for the prompt bucket of
-    `prompt_tokens` (a later request of those shapes never compiles)."""
-    size = 1
-    while size <= self.max_batch:
-      self._generate([[self.policy.pad_id] * prompt_tokens] * size,
-                     [0.0] * size, [1.0] * size, [1] * size)
-      size *= 2
+  def warm_up_programs(self, prompt_tokens: Sequence[int] = (1,)
+                       ) -> list[tuple[int, int]]:
+    """(batch size, prompt bucket) of every program serving prompts of
+    these lengths: each padded batch size for each of their buckets."""
+    buckets = sorted({bucket_length(t, self.policy.engine.buckets)
+                      for t in prompt_tokens})
+    sizes = [1 << i for i in range(self.max_batch.bit_length())]
+    return [(size, bucket) for bucket in buckets for size in sizes]
+
+  def warm_up(self, programs: Sequence[tuple[int, int]],
+              progress: Progress | None = None) -> None:
+    """Compiles, or loads from JAX's persistent compilation cache, the
+    `programs` (`warm_up_programs`) without generating (no KV cache
+    allocated): a later request of those shapes never compiles.
+    `progress` is called after each program."""
+    # A request's first program is the key split: built here by drawing
+    # one key.
+    self._next_key()
+    for k, (size, bucket) in enumerate(programs, 1):
+      start = time.perf_counter()
+      self.policy.engine.compile(size, bucket, self.max_new_tokens)
+      if progress is not None:
+        progress(k, len(programs), size, bucket, time.perf_counter() - start)
 
   def close(self, wait: bool = True) -> None:
     """Stops the worker thread after the requests already queued
-    (`wait=False`: at once; queued requests fail, a generate call in
-    progress finishes on its own, daemon, thread)."""
+    (`wait=False`: at once; queued requests and those of the generate call
+    in progress fail with `ShuttingDown`, the call itself finishing on its
+    own, daemon, thread)."""
     if not wait:
       self._closing = True
+      for request in list(self._running):
+        _settle(request.future, error=ShuttingDown())
       while True:
         try:
           item = self._queue.get_nowait()
         except queue.Empty:
           break
         if item is not None:
-          item.future.set_exception(RuntimeError("the server is shutting "
-                                                 "down"))
+          _settle(item.future, error=ShuttingDown())
     self._queue.put(None)
     if wait:
       self._thread.join()
 
   def _loop(self) -> None:
     while (first := self._queue.get()) is not None:
-      batch = [first]
+      # Visible to `close` from the first request collected.
+      self._running = batch = [first]
       deadline = time.monotonic() + self.wait_s
       while len(batch) < self.max_batch:
         remaining = deadline - time.monotonic()
@@ -122,19 +155,26 @@ class ChatBatcher:
         batch.append(item)
       self._run(batch)
 
+  def _next_key(self) -> jax.Array:
+    self._key, key = jax.random.split(self._key)
+    return key
+
   def _generate(self, prompts: Sequence[list[int]],
                 temperatures: Sequence[float], top_ps: Sequence[float],
                 budgets: Sequence[int]):
     # Pad to a compiled batch size with one-token greedy copies of the
     # first row (they cost one step and are dropped).
     pad = padded_batch_size(len(prompts)) - len(prompts)
-    self._key, key = jax.random.split(self._key)
     return self.policy.generate(
-        list(prompts) + [prompts[0]] * pad, key,
+        list(prompts) + [prompts[0]] * pad, self._next_key(),
         list(temperatures) + [0.0] * pad, list(top_ps) + [1.0] * pad,
         self.max_new_tokens, list(budgets) + [1] * pad)
 
   def _run(self, batch: list[_Request]) -> None:
+    if self._closing:  # Closed while this batch was collected.
+      for request in batch:
+        _settle(request.future, error=ShuttingDown())
+      return
     try:
       out = self._generate([r.prompt for r in batch],
                            [r.temperature for r in batch],
@@ -146,11 +186,26 @@ class ChatBatcher:
         stopped = bool(generated) and generated[-1] in self.policy.eos_ids
         finish = "stop" if stopped or len(generated) < request.max_tokens \
             else "length"
-        request.future.set_result(Completion(
+        _settle(request.future, Completion(
             self.policy.decode(self.policy.completion_tokens(out, row)),
             len(request.prompt), len(generated), finish))
     except Exception as e:  # noqa: BLE001 - reported to every caller.
       logging.exception("generation failed")
       for request in batch:
-        if not request.future.done():
-          request.future.set_exception(e)
+        _settle(request.future, error=e)
+    finally:
+      self._running = []
+
+
+def _settle(future: concurrent.futures.Future,
+            result: Completion | None = None,
+            error: BaseException | None = None) -> None:
+  """Resolves `future` unless it already is (a shutdown failed it while
+  its generate call ran)."""
+  try:
+    if error is not None:
+      future.set_exception(error)
+    else:
+      future.set_result(result)
+  except concurrent.futures.InvalidStateError:
+    pass

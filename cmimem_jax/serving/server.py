@@ -8,23 +8,37 @@ connections (`serve.max_connections`, then 503) and closes any connection
 with no request in progress after `serve.idle_timeout_s`, including one
 that never finishes its headers (uvicorn alone only times out idle
 keep-alive connections after a response).
+
+Start-up: `/health` answers 503 while the warm-up builds every program a
+request can run (`ChatBatcher.warm_up`: compiled, or loaded from JAX's
+persistent compilation cache), reporting each to `progress`; then 200, and
+`on_ready` is called. Shutdown (SIGTERM / Ctrl-C) drains: no new
+connections, requests in flight get `serve.shutdown_timeout_s` to finish,
+then the chat requests still waiting are answered 503 (never cancelled
+mid-response).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
+from absl import logging
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from cmimem_jax.encoders import make_encoder
 from cmimem_jax.sampling import ChatPolicy, load_policy_and_tokenizer
 from cmimem_jax.serving.app import Limits, make_app
-from cmimem_jax.serving.batcher import ChatBatcher
+from cmimem_jax.serving.batcher import ChatBatcher, Progress
+
+# Seconds a request failed at the end of the drain has to send its 503.
+_ANSWER_S = 2.0
 
 
 class _IdleClosingH11(H11Protocol):
@@ -59,6 +73,27 @@ class _IdleClosingH11(H11Protocol):
       self.transport.close()
 
 
+class _DrainingUvicorn(uvicorn.Server):
+  """uvicorn whose graceful shutdown ends in answers: after `drain_s`,
+  `on_timeout` fails the requests still in flight (the app answers them
+  503) and they get `_ANSWER_S` to send that, where uvicorn alone would
+  cancel them (one `CancelledError` traceback each)."""
+
+  def __init__(self, config: uvicorn.Config, drain_s: float,
+               on_timeout: Callable[[], None]):
+    super().__init__(config)
+    self.drain_s, self.on_timeout = drain_s, on_timeout
+
+  async def shutdown(self, sockets: list[socket.socket] | None = None
+                     ) -> None:
+    timer = asyncio.get_running_loop().call_later(self.drain_s,
+                                                  self.on_timeout)
+    try:
+      await super().shutdown(sockets)
+    finally:
+      timer.cancel()
+
+
 def api_key_from_env(variable: str) -> str | None:
   """The key named by `serve.api_key_env` ("" : no key). Fails closed: a
   named variable that is unset or empty is an error, not an open server."""
@@ -78,13 +113,19 @@ class Server:
 
   `with Server(config) as s:` serves from a background thread (`s.base_url`
   ends in `/v1`); `Server(config).serve_forever()` in the foreground.
+  `progress`: called after each warm-up program; `on_ready(base_url)`:
+  once `/health` answers 200.
   """
 
-  def __init__(self, config: Any, host: str = "127.0.0.1", port: int = 0):
+  def __init__(self, config: Any, host: str = "127.0.0.1", port: int = 0,
+               progress: Progress | None = None,
+               on_ready: Callable[[str], None] | None = None):
     serve = config.serve
     api_key = api_key_from_env(serve.api_key_env)
     self.batcher = None
-    self.warm_up_prompt_tokens = tuple(serve.warm_up_prompt_tokens)
+    self.programs: list[tuple[int, int]] = []  # (batch, prompt bucket)
+    self._progress, self._on_ready = progress, on_ready
+    self.warm_up_error: Exception | None = None
     # Set once every warm-up program is compiled: until then /health and
     # chat requests answer 503 (a client never waits on a compile).
     self.ready = threading.Event()
@@ -98,6 +139,8 @@ class Server:
       self.batcher = ChatBatcher(policy, serve.max_new_tokens,
                                  serve.max_batch,
                                  serve.batch_wait_ms / 1000.0, config.seed)
+      self.programs = self.batcher.warm_up_programs(
+          serve.warm_up_prompt_tokens)
     self.encoder = make_encoder(config.encoder) if serve.embeddings else None
     self.app = make_app(self.batcher, self.encoder, serve.model_name,
                         api_key, Limits(
@@ -108,24 +151,39 @@ class Server:
                         self.ready)
     # Bound here, so port 0 has its real number before serving starts.
     self.socket = socket.create_server((host, port), backlog=1024)
-    self._uvicorn = uvicorn.Server(uvicorn.Config(
+    self._uvicorn = _DrainingUvicorn(uvicorn.Config(
         self.app, http=_IdleClosingH11, lifespan="off", log_level="warning",
         timeout_keep_alive=serve.idle_timeout_s,
         limit_concurrency=serve.max_connections, backlog=1024,
-        # On SIGTERM / Ctrl-C: requests in flight get this long, then the
-        # server stops (a generate call cannot be interrupted).
-        timeout_graceful_shutdown=serve.shutdown_timeout_s))
+        timeout_graceful_shutdown=serve.shutdown_timeout_s + _ANSWER_S),
+        # On SIGTERM / Ctrl-C: requests in flight get this long, then those
+        # still waiting are answered 503 (a generate call cannot be
+        # interrupted: it finishes on its own thread, unread).
+        serve.shutdown_timeout_s, self._fail_pending)
     self._thread: threading.Thread | None = None
     self._warm_up_thread = threading.Thread(target=self._warm_up, daemon=True,
                                             name="warm-up")
 
   def _warm_up(self) -> None:
-    try:
-      if self.batcher is not None:
-        for prompt_tokens in self.warm_up_prompt_tokens:
-          self.batcher.warm_up(prompt_tokens)
-    finally:
-      self.ready.set()
+    if self.programs:
+      try:
+        self.batcher.warm_up(self.programs, self._progress)
+      except Exception as e:  # noqa: BLE001 - stops the server, reported.
+        logging.error("warm-up failed: %s: %s", type(e).__name__, e)
+        self.warm_up_error = e
+        self._uvicorn.should_exit = True
+        return
+    self.ready.set()
+    while not self._uvicorn.started:  # /health answers once uvicorn listens.
+      if self._uvicorn.should_exit:
+        return
+      time.sleep(0.01)
+    if self._on_ready is not None:
+      self._on_ready(self.base_url)
+
+  def _fail_pending(self) -> None:
+    if self.batcher is not None:
+      self.batcher.close(wait=False)
 
   @property
   def base_url(self) -> str:
@@ -133,15 +191,19 @@ class Server:
     return f"http://{host}:{port}/v1"
 
   def serve_forever(self) -> None:
-    """Serves in this thread until interrupted (Ctrl-C / SIGTERM): then
-    requests in flight get `serve.shutdown_timeout_s` to finish, queued
-    ones are refused, and it returns without waiting for a generate call
-    still running."""
+    """Serves in this thread until interrupted (Ctrl-C / SIGTERM; uvicorn
+    then re-raises the signal): requests in flight get
+    `serve.shutdown_timeout_s` to finish, the rest are answered 503, and
+    it returns without waiting for a generate call still running. Raises
+    RuntimeError if the warm-up failed."""
     self._warm_up_thread.start()
     try:
       self._uvicorn.run(sockets=[self.socket])
     finally:
       self.close(wait=False)
+    if self.warm_up_error is not None:
+      raise RuntimeError(f"warm-up failed: {type(self.warm_up_error).__name__}"
+                         f": {self.warm_up_error}")
 
   def close(self, wait: bool = True) -> None:
     """Stops the batcher and the host-side worker threads (`wait=False`:

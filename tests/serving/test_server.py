@@ -238,7 +238,7 @@ def test_health_and_chat_answer_503_until_the_programs_are_compiled(
   config = serve_config()
   config.serve.update({"warm_up_prompt_tokens": (8,), "embeddings": False})
   monkeypatch.setattr("cmimem_jax.serving.batcher.ChatBatcher.warm_up",
-                      lambda self, tokens: release.wait(30))
+                      lambda self, *args: release.wait(30))
   with Server(config) as warming:
     health = warming.base_url.removesuffix("/v1") + "/health"
     assert get(health) == (503, {"status": "warming_up"})
@@ -450,7 +450,7 @@ def test_load_256_mixed_chats_with_idle_and_oversized_clients(server,
   threads give glibc its per-thread malloc arenas. RSS alone cannot bound
   a small leak: even trimmed, it moved by 0-33 MiB between identical
   leak-free rounds."""
-  server.batcher.warm_up()
+  server.batcher.warm_up(server.batcher.warm_up_programs())
   direct = server.batcher.policy.respond([messages(i) for i in range(8)], 8)
   assert post(server.base_url + "/chat/completions",
               {"messages": messages(0)})[0] == 200  # Starts the pools.
@@ -516,10 +516,49 @@ def test_our_evaluation_against_our_server_with_the_cpu_defaults(
   assert len(records) == 4 and all(r["prediction"] for r in records)
 
 
-@pytest.mark.slow
-def test_sigterm_stops_the_server_within_seconds_mid_generation():
-  """A long generate call in flight (32,000 tokens of the tiny model): the
-  server answers SIGTERM by exiting within seconds, not after the call."""
+def test_warm_up_compiles_without_generating_and_requests_never_compile(
+    compiles):
+  """Warm-up builds every (batch, prompt bucket) program from abstract
+  shapes, reporting each: nothing generated, no KV cache allocated; then
+  requests of every shape run those programs, compiling nothing."""
+  config = serve_config()
+  config.serve.update({"warm_up_prompt_tokens": (8, 100), "max_batch": 2,
+                       "embeddings": False})
+  reported, called = [], threading.Event()
+  with Server(config, progress=lambda *a: reported.append(a[:4]),
+              on_ready=lambda url: (reported.append(url), called.set())
+              ) as warmed:
+    assert called.wait(300) and warmed.ready.is_set()
+    assert reported[:-1] == [(1, 4, 1, 64), (2, 4, 2, 64), (3, 4, 1, 128),
+                             (4, 4, 2, 128)]
+    assert reported[-1] == warmed.base_url
+    assert not warmed.batcher.policy.engine._caches
+    assert warmed.batcher.batches == []
+    compiled = compiles.count
+    long = [{"role": "user", "content": "word " * 80}]  # Bucket 128.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      replies = list(pool.map(
+          lambda m: post(warmed.base_url + "/chat/completions",
+                         {"messages": m, "max_tokens": 4}),
+          [messages(0), messages(1), long, long]))
+    assert [status for status, _ in replies] == [200] * 4
+    assert compiles.count == compiled
+
+
+SHUTTING_DOWN = (503, {"error": {"message": "the server is shutting down; "
+                                            "retry later", "code": 503}})
+
+
+@pytest.mark.parametrize("signum", [
+    signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
+def test_serve_says_ready_when_healthy_and_drains_on_a_signal(signum):
+  """`python -m cmimem_jax.serve`: a line when listening, one per warm-up
+  program, "ready" only once /health answers 200. Ctrl-C or SIGTERM with
+  long generate calls in flight (32,000 tokens of the tiny model, 4
+  requests, batches of 2): every request answered, 200 or a 503 once
+  `serve.shutdown_timeout_s` is over, and the process gone within
+  seconds, no traceback (before: one `CancelledError` traceback per
+  request)."""
   command = [
       sys.executable, "-m", "cmimem_jax.serve",
       "--config=configs/serve_cpu.py", "--port=0",
@@ -527,23 +566,45 @@ def test_sigterm_stops_the_server_within_seconds_mid_generation():
       "--config.policy.max_position_embeddings=33000",
       "--config.encoder.kind=hashing", "--config.encoder.dim=32",
       "--config.serve.max_new_tokens=32000", "--config.serve.buckets=(64,)",
-      "--config.serve.max_prompt_tokens=64",
-      "--config.serve.warm_up_prompt_tokens=()"]
+      "--config.serve.max_prompt_tokens=64", "--config.serve.max_batch=2",
+      "--config.serve.shutdown_timeout_s=1.0",
+      "--config.serve.warm_up_prompt_tokens=(8,)"]
   server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
   try:
-    line = server.stdout.readline()
-    assert line.startswith("serving at "), server.stderr.read()[-2000:]
-    url = line.split()[-1]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-      pool.submit(post, url + "/chat/completions",
-                  {"messages": messages(0), "max_tokens": 32000})
-      time.sleep(5)  # Compiled and decoding.
+    lines = []
+    for line in server.stdout:
+      lines.append(line)
+      if line.startswith("ready at "):
+        url = line.split()[-1]
+        health = get(url.removesuffix("/v1") + "/health")
+        break
+    assert lines and lines[-1].startswith("ready at "), (
+        "".join(lines) + server.stderr.read()[-2000:])
+    assert lines[0] == (f"listening at {url}: warming up 2 programs "
+                        "(/health answers 503 until ready)\n")
+    assert [line.split(" (")[0] for line in lines[1:-1]] == [
+        "warm-up 1/2: batch 1, prompt bucket 64",
+        "warm-up 2/2: batch 2, prompt bucket 64"]
+    assert health == (200, {"status": "ok"})
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      replies = [pool.submit(post, url + "/chat/completions",
+                             {"messages": messages(i), "max_tokens": 32000})
+                 for i in range(4)]
+      time.sleep(2)
+      assert not any(r.done() for r in replies)  # In flight.
       start = time.monotonic()
-      server.send_signal(signal.SIGTERM)
+      server.send_signal(signum)
       server.wait(timeout=30)
       assert time.monotonic() - start < 10
+      answers = [r.result() for r in replies]
   finally:
     server.kill()
-  # uvicorn re-raises SIGTERM once it has shut down: the signal's own exit.
-  assert server.returncode == -signal.SIGTERM
+  assert all(a == SHUTTING_DOWN or a[0] == 200 for a in answers), answers
+  stderr = server.stderr.read()
+  assert "Traceback" not in stderr and "Error" not in stderr, stderr
+  if signum == signal.SIGINT:
+    assert server.returncode == 0
+    assert server.stdout.read() == "server stopped\n"
+  else:  # uvicorn re-raises SIGTERM once drained: the signal's own exit.
+    assert server.returncode == -signal.SIGTERM

@@ -23,6 +23,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from cmimem_jax.caches import cache_dir
 from cmimem_jax.models.qwen3.model import Qwen3, Qwen3Config
 
 # ours -> (HF name template, transpose). "{i}" is the layer index.
@@ -339,16 +340,6 @@ def load_gguf(path: str, sharding_fn: ShardingFn | None = None,
     return tensors.get(name)
 
   return load_tensors(abstract_model(config), get, sharding_fn)
-
-
-def cache_dir() -> str:
-  """Where converted artifacts are kept: `$CMIMEM_CACHE_DIR`, else
-  `$XDG_CACHE_HOME/cmimem_jax`, else `~/.cache/cmimem_jax`."""
-  if os.environ.get("CMIMEM_CACHE_DIR"):
-    return os.environ["CMIMEM_CACHE_DIR"]
-  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(
-      os.path.expanduser("~"), ".cache")
-  return os.path.join(root, "cmimem_jax")
 
 
 def convert_gguf_tokenizer(path: str):
