@@ -60,17 +60,30 @@ def _date(text: str) -> str:
       "/", "-")
 
 
+def _pairs(n: int, session_name: str, session: str) -> list[dict]:
+  statement = _statements(session, 1)[0]
+  pairs = [{"question": f"What did the user say in {session_name}?",
+            "answer": " ".join(statement.split()[:6]),
+            "type": "single-session"},
+           {"question": f"When did {session_name} take place?",
+            "answer": _date(session), "type": "temporal"}]
+  return (pairs * n)[:n]
+
+
 def _qa_pairs(prompt: str) -> str:
   n = int(_field(prompt, r"Write exactly (\d+)", "1"))
   index = _field(prompt, r"Session (\d+) \(", "1")
   session = prompt.split(f"Session {index} (", 1)[-1]
-  statement = _statements(session, 1)[0]
-  pairs = [{"question": f"What did the user say in session {index}?",
-            "answer": " ".join(statement.split()[:6]),
-            "type": "single-session"},
-           {"question": f"When did session {index} take place?",
-            "answer": _date(session), "type": "temporal"}]
-  return json.dumps({"pairs": (pairs * n)[:n]})
+  return json.dumps({"pairs": _pairs(n, f"session {index}", session)})
+
+
+def _memory_qa_pairs(prompt: str) -> str:
+  """MemBuilder's format (`synthesize_qa.MEMORY_PROMPT`)."""
+  n = int(_field(prompt, r"Generate exactly (\d+)", "1"))
+  session = prompt.split("(Newly Added):**", 1)[-1].split("\n---", 1)[0]
+  pairs = [dict(p, type="temporal-reasoning") if p["type"] == "temporal"
+           else p for p in _pairs(n, "the session", session)]
+  return json.dumps({"questions": pairs})
 
 
 def _verdict(prompt: str) -> str:
@@ -96,6 +109,7 @@ def _messages_block(prompt: str) -> str:
 # Opening line of each documented prompt -> its answer in its format.
 REPLIES: dict[str, Callable[[str], str]] = {
     _opening(synthesize_qa.PROMPT): _qa_pairs,
+    _opening(synthesize_qa.MEMORY_PROMPT): _memory_qa_pairs,
     _opening(TEMPLATES["judge"]): _verdict,
     _opening(TEMPLATES["policy_system"]): _dsl,
     _opening(TEMPLATES["core_agent"]): lambda p: json.dumps({

@@ -5,9 +5,13 @@ import os
 import re
 import sys
 
+import numpy as np
 import pytest
 
 from cmimem_jax.data import bundled_path, load_dataset
+from cmimem_jax.memory.bank import MemoryBank
+from cmimem_jax.memory.types import MemoryEntry, MemoryType
+from cmimem_jax.task.snapshots import STATES_FILE, save_snapshots
 
 from fake_openai import FakeOpenAI  # noqa: I100
 
@@ -45,6 +49,9 @@ def test_synthesizes_session_qa_and_counts_failures(tmp_path):
     stats = synthesize_qa.main([f"--input={source}", "--model=fake",
                                 f"--base_url={server.base_url}",
                                 "--per_session=5"])
+  # Without --expert_states: our prompt over the earlier sessions.
+  assert all(p.startswith(synthesize_qa.PROMPT.split("\n")[0])
+             for p in server.attempts)
   sessions = sum(len(r["haystack_sessions"]) for r in records)
   assert stats["failed_sessions"] == 2  # Session 2 of both dialogues.
   assert stats["sessions"] == sessions - 2 and stats["pairs"] == 3 * (
@@ -79,3 +86,75 @@ def test_max_tokens_fits_a_capped_server_and_nothing_synthesized_fails(
   assert message.startswith("error: no QA pairs synthesized")
   assert "http_4xx" in message and "--max_tokens=1024" in message
   assert stats["pairs"] > 0 and "http_4xx" not in stats["failed_calls"]
+
+
+CORE, EPISODE, FACT = ("Name: Rin. Lives in Osaka.",
+                       "2023-05-01: adopted a beagle named Biscuit",
+                       "Rin prefers green tea")
+
+
+def _expert_states(directory, records) -> None:
+  """States as tools/build_expert_states.py saves them: s0 empty, every
+  later session's state holds CORE, EPISODE and FACT."""
+  banks = []
+  for record in records:
+    bank = MemoryBank(record["question_id"], dim=4)
+    per_record = [bank.copy()]
+    bank.core = CORE
+    for i, (kind, text) in enumerate([(MemoryType.EPISODIC, EPISODE),
+                                      (MemoryType.SEMANTIC, FACT)]):
+      bank.stores[kind].add(MemoryEntry(f"e{i}", kind, text, 1, 1, 0),
+                            np.ones(4, np.float32))
+    per_record += [bank] * (len(record["haystack_sessions"]) - 1)
+    banks.append(per_record)
+  save_snapshots(str(directory), banks)
+  (directory / STATES_FILE).write_text("{}")
+
+
+def membuilder_reply(content: str) -> str:
+  """MemBuilder's answer format (`questions`, `temporal-reasoning`)."""
+  return json.dumps({"questions": [
+      {"question": "What is my dog's name?", "answer": "Biscuit",
+       "type": "single-session", "source": "current_session"},
+      {"question": "When did I adopt my dog?", "answer": "2023-05-01",
+       "type": "temporal-reasoning", "source": "cross_session"}]})
+
+
+def test_expert_states_condition_the_prompt_on_the_memory_state(tmp_path):
+  """With --expert_states each session's prompt is MemBuilder's, holding
+  that session's state (core and every entry); its answer format loads."""
+  source, records = _dialogues(tmp_path)
+  _expert_states(tmp_path / "states", records)
+  with FakeOpenAI(reply=membuilder_reply) as server:
+    stats = synthesize_qa.main([
+        f"--input={source}", "--model=fake", f"--base_url={server.base_url}",
+        "--per_session=2", f"--expert_states={tmp_path / 'states'}"])
+  prompts = list(server.attempts)
+  sessions = sum(len(r["haystack_sessions"]) for r in records)
+  assert len(prompts) == sessions and stats["pairs"] == 2 * sessions
+  assert all(p.startswith(synthesize_qa.MEMORY_PROMPT.split("\n")[0])
+             and "Generate exactly 2 questions" in p for p in prompts)
+  with_state = [p for p in prompts
+                if f"Core Memory:\n{CORE}\n" in p
+                and f"\n{EPISODE}\n" in p and f"\n{FACT}\n" in p]
+  empty = [p for p in prompts if "Core Memory:\n[Empty]\n" in p]
+  assert len(with_state) == sessions - 2 and len(empty) == 2  # s0 of each.
+  # The session itself and its date follow the state.
+  first = records[0]
+  session_1 = synthesize_qa.session_text(first["haystack_sessions"][1])
+  assert any(f"(Newly Added):**\n{session_1}\n\nSession Timestamp: "
+             f"{first['haystack_dates'][1]}\n" in p for p in with_state)
+  qa = json.load(open(tmp_path / "dialogues_qa.json"))[0]["session_qa"]
+  assert {p["type"] for pairs in qa.values() for p in pairs} == {
+      "single-session", "temporal"}
+
+
+def test_missing_expert_states_fail_in_one_line(tmp_path):
+  source, records = _dialogues(tmp_path)
+  _expert_states(tmp_path / "states", records[:1])  # Second record lacks.
+  with pytest.raises(SystemExit) as failed:
+    synthesize_qa.main([f"--input={source}", "--model=fake",
+                        f"--expert_states={tmp_path / 'states'}"])
+  message = failed.value.code
+  assert "session states missing" in message and "\n" not in message
+  assert records[1]["question_id"] in message
