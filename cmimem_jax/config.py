@@ -14,10 +14,10 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable
+from typing import Any
 
 import ml_collections
 
-from cmimem_jax.client import EndpointConfig
 
 DATASETS = ("longmemeval", "locomo", "memoryagentbench")
 # "" = the job's default (`data.registry.default_split`); the others are
@@ -27,6 +27,32 @@ ENCODERS = ("hashing", "minilm", "qwen3_embedding", "openai")
 # The kinds that embed queries with `encoder.query_instruction`; the
 # others are symmetric and take none.
 INSTRUCTED_ENCODERS = ("qwen3_embedding", "openai")
+
+
+@dataclasses.dataclass(frozen=True)
+class EndpointConfig:
+  """An OpenAI-compatible endpoint section. It lives with the config
+  checks that read it; `cmimem_jax.client` re-exports it."""
+
+  base_url: str = "http://127.0.0.1:8000/v1"
+  model: str = ""
+  api_key_env: str = "OPENAI_API_KEY"  # Read from the environment.
+  timeout_s: float = 60.0
+  max_retries: int = 3                 # Attempts after the first.
+  backoff_s: float = 1.0               # Doubles per retry, with jitter.
+  max_backoff_s: float = 30.0
+  concurrency: int = 8
+  temperature: float = 0.0
+  max_tokens: int = 512
+
+  @classmethod
+  def from_config(cls, section: Any) -> EndpointConfig:
+    """From an ml_collections section (unknown keys are an error)."""
+    values = dict(section)
+    unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise ValueError(f"unknown endpoint settings {sorted(unknown)}")
+    return cls(**values)
 
 
 class ConfigError(ValueError):

@@ -22,30 +22,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from cmimem_jax.config import EndpointConfig
+
 Messages = list[dict[str, str]]
-
-
-@dataclasses.dataclass(frozen=True)
-class EndpointConfig:
-  base_url: str = "http://127.0.0.1:8000/v1"
-  model: str = ""
-  api_key_env: str = "OPENAI_API_KEY"  # Read from the environment.
-  timeout_s: float = 60.0
-  max_retries: int = 3                 # Attempts after the first.
-  backoff_s: float = 1.0               # Doubles per retry, with jitter.
-  max_backoff_s: float = 30.0
-  concurrency: int = 8
-  temperature: float = 0.0
-  max_tokens: int = 512
-
-  @classmethod
-  def from_config(cls, section: Any) -> EndpointConfig:
-    """From an ml_collections section (unknown keys are an error)."""
-    values = dict(section)
-    unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
-    if unknown:
-      raise ValueError(f"unknown endpoint settings {sorted(unknown)}")
-    return cls(**values)
 
 
 @dataclasses.dataclass
