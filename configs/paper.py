@@ -145,8 +145,14 @@ def training() -> ml_collections.ConfigDict:
   config.rl = ml_collections.ConfigDict({
       "sessions_per_batch": 32, "epochs": 5, "max_steps": 0,
       "micro_batches": 32, "learning_rate": 1e-6, "warmup_steps": 0,
-      "weight_decay": 0.0, "grad_clip_norm": 1.0, "kl_beta": 0.02,
+      "grad_clip_norm": 1.0, "kl_beta": 0.02,
       "epsilon_low": 0.2, "epsilon_high": 0.2, "logprob_chunk": 1024,
+      # MemBuilder's run (its script runs on verl 0.4.0, no pin): AdamW
+      # weight decay 0.01, dual-clip at 3 for negative advantages, k3
+      # clamped to +-10; the log-ratio clamp (+-20, verl >= 0.4.1) only
+      # keeps exp() finite (tests/rl/test_parity.py).
+      "weight_decay": 0.01, "clip_ratio_c": 3.0, "kl_clamp": 10.0,
+      "log_ratio_clamp": 20.0,
       # token_mean: every completion token of the step weighs the same
       # (verl's default, MemBuilder's run); sequence_mean: per-sequence
       # means averaged (the GRPO paper).

@@ -45,8 +45,6 @@ def get_config() -> ml_collections.ConfigDict:
       # (exact; `rl.TrainStepConfig.share_prompts`).
       "share_prompts": True,
       "snapshots": "policy", "snapshot_refresh_epochs": 1,
-      # verl's actor loss (GRPOLossConfig): dual-clip at 3 (0: off), the
-      # log-ratio clamped to +-20 before exp, the k3 KL to +-10.
-      "clip_ratio_c": 3.0, "log_ratio_clamp": 20.0, "kl_clamp": 10.0})
+      "weight_decay": 0.0})
   config.checkpoint.update({"every_steps": 1, "keep": 2, "keep_period": 0})
   return config

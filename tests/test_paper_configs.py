@@ -75,6 +75,11 @@ PAPER_TRAINING = {
     "rl.epsilon_low": (0.2, "Table 7: PPO clip"),
     "rl.epsilon_high": (0.2, "Table 7: PPO clip"),
     "rl.curriculum_tiers": (3, "Eq. 14: three percentile tiers"),
+    "rl.loss_aggregation": ("token_mean", "Eq. 13; verl's token-mean"),
+    "rl.weight_decay": (0.01, "MemBuilder's run: verl 0.4.0 AdamW"),
+    "rl.clip_ratio_c": (3.0, "MemBuilder's run: verl 0.4.0 dual-clip"),
+    "rl.kl_clamp": (10.0, "MemBuilder's run: verl 0.4.0 low_var_kl"),
+    "rl.grad_clip_norm": (1.0, "MemBuilder's run: verl 0.4.0"),
 }
 PAPER_EVALUATION = {
     "dataset.name": ("longmemeval", "§4.1"),
@@ -101,7 +106,7 @@ for _key in ("core_cap_chars", "compress_trigger", "compress_target_chars",
 DEPARTURES = {
     "reward.conditioning.top_k": "CMI conditioning set",
     "reward.conditioning.n_recent": "CMI conditioning set",
-    "rl.loss_aggregation": "GRPO loss normalisation",
+    "rl.log_ratio_clamp": "GRPO loss normalisation",
     "rl.snapshots": "Training states M_{t-1}",
     "rl.snapshot_refresh_epochs": "Training states M_{t-1}",
     "rl.curriculum_weights": "Eq. 14",
@@ -156,8 +161,6 @@ NOT_IN_PAPER = {
     "rl.max_steps": "0: the epochs decide", "rl.warmup_steps": "none given",
     "rl.micro_batches": "memory (accumulation is exact)",
     "rl.logprob_chunk": "memory", "rl.share_prompts": "speed (exact)",
-    "rl.weight_decay": "AdamW's, from MemBuilder's verl run",
-    "rl.grad_clip_norm": "verl's default",
     "rl.validation_sessions": "bookkeeping", "rl.eval_every": "bookkeeping",
     "checkpoint.": "bookkeeping (keep_period 10: App. I's steps 20 / 50)",
 }
