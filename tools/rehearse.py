@@ -59,12 +59,15 @@ KEPT_STEP = 2  # checkpoint.keep_period: the step evaluation selects.
 # (file, the command's first words).
 DOCUMENTED = {
     "serve": ("cmimem_jax/serve.py", "python -m cmimem_jax.serve"),
-    "synthesize_qa": ("tools/synthesize_qa.py", "python tools/synthesize_qa.py"),
+    "synthesize_qa": ("tools/synthesize_qa.py",
+                      "python tools/synthesize_qa.py"),
     "build_expert_states": ("tools/build_expert_states.py",
                             "python tools/build_expert_states.py"),
     "train": ("configs/qwen3_4b_tpu.py", "python -m cmimem_jax.train"),
-    "evaluate": ("configs/eval_qwen3_4b.py", "python -m cmimem_jax.evaluate"),
-    "compare_paper": ("tools/compare_paper.py", "python tools/compare_paper.py"),
+    "evaluate": ("configs/eval_qwen3_4b.py",
+                 "python -m cmimem_jax.evaluate"),
+    "compare_paper": ("tools/compare_paper.py",
+                      "python tools/compare_paper.py"),
 }
 # Every change to those commands, per stage, by flag: sizes, paths and
 # endpoints only ("config.X" flags override config fields). "{work}",
@@ -277,7 +280,8 @@ class Rehearsal:
     paths = json.loads(_run(
         [PYTHON, "tools/standins.py", f"--output={self.work}/checkpoints"],
         self._log("standins"), self.env))
-    return f"policy and encoder checkpoints in {os.path.dirname(paths['policy'])}"
+    return ("policy and encoder checkpoints in "
+            f"{os.path.dirname(paths['policy'])}")
 
   def serve_start(self) -> str:
     port = _free_port()

@@ -142,56 +142,38 @@ def reply(messages: list[dict]) -> str | None:
 
 class _HTTPServer(ThreadingHTTPServer):
   daemon_threads = True
-  request_queue_size = 256
+  request_queue_size = 256  # Bursts of concurrent clients (default: 5).
 
 
-class ScriptedLLM:
-  """Serves in a daemon thread while inside `with ...:`; `base_url` ends in
-  `/v1`; `counts` tallies the prompts answered by kind (and "unknown")."""
+class JSONHandler(BaseHTTPRequestHandler):
+  """A quiet request handler that answers JSON bodies."""
 
-  def __init__(self, host: str = "127.0.0.1", port: int = 0):
-    self.counts: collections.Counter[str] = collections.Counter()
-    self.lock = threading.Lock()
-    owner = self
+  def log_message(self, *args: object) -> None:
+    del args
 
-    class Handler(BaseHTTPRequestHandler):
-      def log_message(self, *args: object) -> None:
-        del args
+  def _send(self, code: int, body: bytes) -> None:
+    self.send_response(code)
+    self.send_header("Content-Type", "application/json")
+    self.send_header("Content-Length", str(len(body)))
+    self.end_headers()
+    try:
+      self.wfile.write(body)
+    except (BrokenPipeError, ConnectionResetError):
+      pass  # The client gave up (e.g. its timeout): expected.
 
-      def _send(self, code: int, payload: dict) -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        try:
-          self.wfile.write(body)
-        except (BrokenPipeError, ConnectionResetError):
-          pass  # The client gave up.
+  def _send_json(self, code: int, payload: dict) -> None:
+    self._send(code, json.dumps(payload).encode())
 
-      def do_GET(self) -> None:
-        self._send(200, {"status": "ok"})
 
-      def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length", 0))
-        request = json.loads(self.rfile.read(length) or b"{}")
-        if not self.path.endswith("/chat/completions"):
-          self._send(404, {"error": {"message": f"no route {self.path}"}})
-          return
-        text = reply(request.get("messages", []))
-        with owner.lock:
-          owner.counts["unknown" if text is None else "answered"] += 1
-        if text is None:
-          self._send(400, {"error": {"message": "scripted_llm: not a "
-                                     "documented prompt"}})
-          return
-        self._send(200, {
-            "id": "scripted", "object": "chat.completion", "created": 0,
-            "model": request.get("model", "scripted"),
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": text}}]})
+class LoopbackServer:
+  """An HTTP server on loopback with `handler` (a
+  `BaseHTTPRequestHandler` class), serving in a daemon thread while inside
+  `with ...:`; `base_url` ends in `/v1`. (Also the test suite's fake
+  OpenAI server.)"""
 
-    self.httpd = _HTTPServer((host, port), Handler)
+  def __init__(self, handler: type[BaseHTTPRequestHandler],
+               host: str = "127.0.0.1", port: int = 0):
+    self.httpd = _HTTPServer((host, port), handler)
     self._thread = threading.Thread(target=self.httpd.serve_forever,
                                     daemon=True)
 
@@ -200,13 +182,49 @@ class ScriptedLLM:
     host, port = self.httpd.server_address[:2]
     return f"http://{host}:{port}/v1"
 
-  def __enter__(self) -> "ScriptedLLM":
+  def __enter__(self):
     self._thread.start()
     return self
 
   def __exit__(self, *exc: object) -> None:
     self.httpd.shutdown()
     self.httpd.server_close()
+
+
+class ScriptedLLM(LoopbackServer):
+  """Serves in a daemon thread while inside `with ...:`; `base_url` ends in
+  `/v1`; `counts` tallies the prompts answered by kind (and "unknown")."""
+
+  def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    self.counts: collections.Counter[str] = collections.Counter()
+    self.lock = threading.Lock()
+    owner = self
+
+    class Handler(JSONHandler):
+      def do_GET(self) -> None:
+        self._send_json(200, {"status": "ok"})
+
+      def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length", 0))
+        request = json.loads(self.rfile.read(length) or b"{}")
+        if not self.path.endswith("/chat/completions"):
+          self._send_json(404, {"error": {"message":
+                                          f"no route {self.path}"}})
+          return
+        text = reply(request.get("messages", []))
+        with owner.lock:
+          owner.counts["unknown" if text is None else "answered"] += 1
+        if text is None:
+          self._send_json(400, {"error": {
+              "message": "scripted_llm: not a documented prompt"}})
+          return
+        self._send_json(200, {
+            "id": "scripted", "object": "chat.completion", "created": 0,
+            "model": request.get("model", "scripted"),
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": text}}]})
+
+    super().__init__(Handler, host, port)
 
 
 def main() -> None:

@@ -13,16 +13,21 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import re
+import sys
 import threading
 import time
 import zlib
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 
 from cmimem_jax.evaluation.metrics import normalize_answer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..",
+                                "tools"))
+from scripted_llm import JSONHandler, LoopbackServer  # noqa: E402
 
 
 def reply_for(content: str) -> str:
@@ -42,12 +47,7 @@ def embedding_for(text: str, dim: int = 16) -> list[float]:
   return (vector / np.linalg.norm(vector)).tolist()
 
 
-class _HTTPServer(ThreadingHTTPServer):
-  daemon_threads = True
-  request_queue_size = 256  # Bursts of concurrent clients (default: 5).
-
-
-class FakeOpenAI:
+class FakeOpenAI(LoopbackServer):
   """Serves in a daemon thread while inside `with ...:`; `base_url` ends
   in `/v1`."""
 
@@ -61,20 +61,7 @@ class FakeOpenAI:
     self.requests = 0
     server = self
 
-    class Handler(BaseHTTPRequestHandler):
-      def log_message(self, *args):
-        del args
-
-      def _send(self, code: int, body: bytes) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        try:
-          self.wfile.write(body)
-        except (BrokenPipeError, ConnectionResetError):
-          pass  # The client gave up (timeout): expected.
-
+    class Handler(JSONHandler):
       def do_POST(self):
         length = int(self.headers.get("Content-Length", 0))
         request = json.loads(self.rfile.read(length))
@@ -111,19 +98,4 @@ class FakeOpenAI:
             "id": "x", "object": "chat.completion", "created": 0,
             "model": request["model"], "choices": choices}).encode())
 
-    self.httpd = _HTTPServer(("127.0.0.1", 0), Handler)
-    self._thread = threading.Thread(target=self.httpd.serve_forever,
-                                    daemon=True)
-
-  @property
-  def base_url(self) -> str:
-    host, port = self.httpd.server_address[:2]
-    return f"http://{host}:{port}/v1"
-
-  def __enter__(self) -> "FakeOpenAI":
-    self._thread.start()
-    return self
-
-  def __exit__(self, *exc: object) -> None:
-    self.httpd.shutdown()
-    self.httpd.server_close()
+    super().__init__(Handler)
