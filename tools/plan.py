@@ -33,7 +33,11 @@ from those and the chip's published figures (`CHIPS`, with their source).
 With two or more `--batch` values, a summary line per program fits memory
 as affine in rows per chip and gives the most rows per chip that fit.
 `--topology=cpu:N` compiles for N fake CPU devices (memory layout differs
-from TPUs: a plan, not a guarantee).
+from TPUs: a plan, not a guarantee); they share the host's memory, so
+each line also has `host_gib`, the N devices' totals together (the
+resident state once, sharded; whatever is replicated or all-gathered N
+times): the program's share of the process's peak RSS, which adds the
+interpreter, tokenizer and compiled code (~1-1.5 GiB for a training job).
 """
 
 from __future__ import annotations
@@ -112,6 +116,9 @@ def _args(argv):
   parser.add_argument("--budgets", default="",
                       help="per-chip GiB budgets for the fit (default: the "
                       "chip's HBM; cpu: 16,32,95)")
+  parser.add_argument("--preset", default="",
+                      help="override policy.preset (another architecture "
+                      "at the config's dtype / remat)")
   parser.add_argument("--layers", type=int, default=0,
                       help="override the layer count (smoke tests)")
   parser.add_argument("--cmi_shape", default="20,1024",
@@ -259,7 +266,7 @@ def main(argv=None) -> list[dict]:
                    attention_impl=policy.get("attention_impl", "auto"))
   if args.layers:
     overrides["num_hidden_layers"] = args.layers
-  model_config = preset(policy.preset, **overrides)
+  model_config = preset(args.preset or policy.preset, **overrides)
   graphdef, state = nnx.split(abstract_model(model_config), nnx.Param)
   params = nnx.to_pure_dict(state)
   p_shardings = param_shardings(params, mesh)
@@ -404,6 +411,8 @@ def main(argv=None) -> list[dict]:
                "compile_s": round(time.perf_counter() - start, 1)}
         if "total_gib" in row:
           points.append((rows_per_chip, row["total_gib"]))
+          if chip is None:
+            row["host_gib"] = round(row["total_gib"] * len(devices), 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
       if len(points) >= 2:

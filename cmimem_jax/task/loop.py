@@ -53,7 +53,7 @@ from cmimem_jax.rl import (Checkpointer, GRPOLossConfig, Learner,
                            group_advantages, load_model_weights, read_metrics,
                            recompute_logprobs,
                            rollout_batch)
-from cmimem_jax.sampling import (ChatPolicy, TokenConstraint,
+from cmimem_jax.sampling import (ChatPolicy, Sampler, TokenConstraint,
                                  load_policy_and_tokenizer, special_ids)
 from cmimem_jax.sampling.vllm_engine import (VLLMEngine, checkpoint_dir,
                                              import_vllm)
@@ -447,6 +447,8 @@ class Trainer:
     width = out.tokens.shape[1]
     weights = np.stack([attribution_weights(t, self.policy.decode, c, width)
                         for t, c in zip(terms, completions)])
+    if isinstance(self.policy.engine, Sampler):
+      self.policy.engine.release_caches()
     metrics = self.learner.step(rollout_batch(out, advantages, weights,
                                               self.constraint))
     self.policy.set_model(self.learner.model)

@@ -170,6 +170,12 @@ def test_kv_buffers_are_bounded_least_recently_used_first(model):
   for rows in (1, 2, 3, 2):
     sampler(PROMPTS[:rows], jax.random.key(0))
   assert list(sampler._caches) == [(3, 8, 3, 2), (2, 8, 2, 2)]
+  # A trainer frees them before its update; the next call reallocates.
+  before = sampler(PROMPTS[:2], jax.random.key(0))
+  sampler.release_caches()
+  assert not sampler._caches
+  after = sampler(PROMPTS[:2], jax.random.key(0))
+  np.testing.assert_array_equal(before.tokens, after.tokens)
 
 
 def test_row_budgets_stop_each_row_at_its_own_length(model, compiles):
