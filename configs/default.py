@@ -35,8 +35,13 @@ def get_config():
                          "max_new_tokens": 80, "max_prompt_tokens": 768,
                          "buckets": (768,),
                          "constrained_dsl": True})
+  # logprob_chunk: the learner's LM head + log-softmax run over 16
+  # completion columns at a time (`rows x 16 x 49152` f32, ~19 MB at 6
+  # rows; small_repro.py's 12 rows x 192 tokens inherit it). At 256 the
+  # 80 columns were one chunk and its 4-5 live `[rows, 80, V]` arrays took
+  # ~0.6 GB of a step's scratch (BENCHMARKS.md "Train step memory").
   config.rl.update({"max_steps": 3, "learning_rate": 1e-5,
-                    "warmup_steps": 0})
+                    "warmup_steps": 0, "logprob_chunk": 16})
   # The warm start `make demo` runs first (`python -m cmimem_jax.sft`):
   # SmolLM2-135M learns from the extractive teacher (the user's own
   # sentences, `tools/make_sft_data.py --teacher=extractive

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from cmimem_jax.caches import cache_dir
+from cmimem_jax.models.host_memory import release_free_heap
 from cmimem_jax.models.qwen3.model import Qwen3, Qwen3Config
 
 # ours -> (HF name template, transpose). "{i}" is the layer index.
@@ -339,7 +340,11 @@ def load_gguf(path: str, sharding_fn: ShardingFn | None = None,
     name = template if template.startswith("lm_head") else "model." + template
     return tensors.get(name)
 
-  return load_tensors(abstract_model(config), get, sharding_fn)
+  model = load_tensors(abstract_model(config), get, sharding_fn)
+  # The reader's buffers and the dequantised host copies are garbage now.
+  del reader, tensors
+  release_free_heap()
+  return model
 
 
 def convert_gguf_tokenizer(path: str):
