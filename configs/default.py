@@ -37,9 +37,10 @@ def get_config():
                          "constrained_dsl": True})
   # logprob_chunk: the learner's LM head + log-softmax run over 16
   # completion columns at a time (`rows x 16 x 49152` f32, ~19 MB at 6
-  # rows; small_repro.py's 12 rows x 192 tokens inherit it). At 256 the
-  # 80 columns were one chunk and its 4-5 live `[rows, 80, V]` arrays took
-  # ~0.6 GB of a step's scratch (BENCHMARKS.md "Train step memory").
+  # rows; small_repro.py's 12 rows inherit it). At 256 the
+  # 80 columns were one chunk with 4-5 live `[rows, 80, V]` arrays; at 16
+  # one step's peak RSS falls ~0.1 GiB (5.52 -> 5.4 GiB at 4 sessions) at
+  # no visible step time (BENCHMARKS.md "Train step memory").
   config.rl.update({"max_steps": 3, "learning_rate": 1e-5,
                     "warmup_steps": 0, "logprob_chunk": 16})
   # The warm start `make demo` runs first (`python -m cmimem_jax.sft`):
