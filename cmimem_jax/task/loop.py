@@ -122,10 +122,9 @@ def _check_training(c) -> None:
     if c.get(key) == "answer" and c.get("qa.judge") != "llm":
       c.problems.append(f"{key}='answer' needs qa.judge='llm' (the answer "
                         "model is its endpoint)")
-  for name in OPTIONAL_LOSS_KEYS:
-    if name in c.get("rl"):
-      c.check(f"rl.{name}", lambda v: finite_number(v, 0.0),
-              "a finite number >= 0 (0: off)")
+  for name in ("clip_ratio_c", "log_ratio_clamp", "kl_clamp"):
+    c.check(f"rl.{name}", lambda v: finite_number(v, 0.0),
+            "a finite number >= 0 (0: off)")
   try:
     grpo_loss_config(c.get("rl"))
   except (TypeError, ValueError, AttributeError) as e:
@@ -155,17 +154,13 @@ def _check_training(c) -> None:
 
 register_section("rl", _check_training)
 
-# `rl` keys of the objective a config may leave out: absent, they take
-# GRPOLossConfig's defaults (verl's actor: dual-clip 3, clamps 20 and 10).
-OPTIONAL_LOSS_KEYS = ("clip_ratio_c", "log_ratio_clamp", "kl_clamp")
-
-
 def grpo_loss_config(rl: Any) -> GRPOLossConfig:
   """The GRPO objective of an `rl` config section (raises ValueError on a
-  bad value, AttributeError on a missing required key)."""
+  bad value, AttributeError on a missing key)."""
   return GRPOLossConfig(
       rl.epsilon_low, rl.epsilon_high, rl.kl_beta, rl.loss_aggregation,
-      **{name: rl[name] for name in OPTIONAL_LOSS_KEYS if name in rl})
+      clip_ratio_c=rl.clip_ratio_c, log_ratio_clamp=rl.log_ratio_clamp,
+      kl_clamp=rl.kl_clamp)
 
 
 def _check_buckets(c) -> None:
