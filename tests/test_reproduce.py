@@ -64,11 +64,12 @@ def test_plots_are_written_and_counts_stay_off_the_reward_axes(tmp_path):
 
 def test_stages_expand_in_pipeline_order_and_unknown_ones_are_refused():
   assert reproduce.parse_stages(["all"]) == [
-      "teacher", "warm_start", "grpo", "grpo_qa_only", "eval_initial",
-      "eval_warm_start", "eval_rl", "eval_rl_qa_only", "report"]
+      "teacher", "warm_start", "grpo", "grpo_qa_only", "grpo_cmi_only",
+      "eval_initial", "eval_warm_start", "eval_rl", "eval_rl_qa_only",
+      "eval_rl_cmi_only", "report"]
   assert reproduce.parse_stages(["report", "evaluate", "teacher"]) == [
       "teacher", "eval_initial", "eval_warm_start", "eval_rl",
-      "eval_rl_qa_only", "report"]
+      "eval_rl_qa_only", "eval_rl_cmi_only", "report"]
   with pytest.raises(app.UsageError, match="unknown stage 'grpo_qa'"):
     reproduce.parse_stages(["grpo_qa"])
 
@@ -97,6 +98,15 @@ def test_paired_differences_pair_questions_and_leave_adversarial_out():
   # a, b, d: adversarial c and unscored e are out.
   assert gain["n"] == 3
   assert gain["difference"] == pytest.approx((1.0 + 0.5 + 0.0) / 3)
+  # Table 3's CMI-only arm, once evaluated: against the warm start, and
+  # CMI+QA against it.
+  with_cmi_only = reproduce.paired_differences(
+      {"warm_start": base, "rl": better, "rl_cmi_only": base})
+  assert [(r["policy"], r["baseline"], r["difference"])
+          for r in with_cmi_only] == [
+      ("rl", "warm_start", gain["difference"]),
+      ("rl_cmi_only", "warm_start", 0.0),
+      ("rl", "rl_cmi_only", gain["difference"])]
   assert gain["policy_mean"] == 1.0 and gain["baseline_mean"] == 0.5
   low, high = gain["ci95"]
   assert 0.0 <= low < gain["difference"] < high <= 1.0
@@ -158,7 +168,9 @@ def test_arms_table_sets_the_two_runs_side_by_side():
     return [{"step": s + 1, "reward_mean": 0.5, "reward/qa": 0.4,
              "reward/cmi": 0.1, "response_tokens_mean": 50.0 + s,
              "pg_loss": v, "validity_rate": 1.0, "kl": 0.01,
-             **({"eval/qa": 0.2, "eval/reward": 0.3 * s} if s % 2 else {})}
+             "reward/semantic_skip": 0.25 * s,
+             **({"eval/qa": 0.2, "eval/reward": 0.3 * s,
+                 "reward/semantic_skip_justified": 0.5} if s % 2 else {})}
             for s, v in enumerate(pg)]
   table = reproduce.arms_table({"CMI+QA": run([0.1, -0.1]),
                                 "QA only": run([0.3, 0.5])}, 2)
@@ -170,6 +182,9 @@ def test_arms_table_sets_the_two_runs_side_by_side():
   assert rows["policy-gradient loss, absolute"][0] == "0.1000 ± 0.0000"
   assert rows["response tokens"][0] == "50.5000 ± 0.5000"
   assert rows["evaluated step (best validation reward)"] == ["2", "2 |"]
+  # The justified share is over the steps that logged a SKIP only.
+  assert rows["Semantic SKIP rate (rollouts)"][0] == "0.1250 ± 0.1250"
+  assert rows["Semantic SKIPs judged justified"][0] == "0.5000 ± 0.0000"
 
 
 def test_bank_sizes_count_entries_per_type(tmp_path):
@@ -208,18 +223,19 @@ def test_stages_run_once_in_order_and_resume(tmp_path, monkeypatch):
   with pytest.raises(app.UsageError, match="run --stages=warm_start"):
     reproduce.reproduce(config, workdir, ["grpo"])
   reproduce.reproduce(config, workdir, ["teacher", "warm_start", "grpo",
-                                        "grpo_qa_only"])
+                                        "grpo_qa_only", "grpo_cmi_only"])
   # The warm start keeps its newest checkpoint only; the arms keep every
   # `keep_period`-th step, for the validation curve to pick from.
   assert config.checkpoint.keep_period == 2
   assert calls == [("teacher", 8), ("warm_start", "sft", 0),
                    ("train", "rl", config.reward.alpha, "sft"),
-                   ("train", "rl_qa_only", 0.0, "sft")]
-  assert config.reward.alpha > 0  # The arms run on copies.
+                   ("train", "rl_qa_only", 0.0, "sft"),
+                   ("train", "rl_cmi_only", 1.0, "sft")]
+  assert 0 < config.reward.alpha < 1  # The arms run on copies.
   reproduce.reproduce(config, workdir, ["teacher", "warm_start"])
-  assert len(calls) == 4
+  assert len(calls) == 5
   assert set(json.loads((tmp_path / "stages.json").read_text())) == {
-      "teacher", "warm_start", "grpo", "grpo_qa_only"}
+      "teacher", "warm_start", "grpo", "grpo_qa_only", "grpo_cmi_only"}
   # A report before any evaluation says so instead of failing.
   text = reproduce.reproduce(config, workdir, ["report"])
   assert "No policy evaluated yet" in text and "Paired" not in text

@@ -1,14 +1,15 @@
 """The small reproduction, end to end: warm start -> GRPO with the
 CMI+QA reward and, from the same warm start with the same budget, with
-the QA reward alone (alpha = 0) -> held-out evaluation of the initial,
-warm-started and both RL policies, with results tables (paired 95%
-bootstrap intervals over questions) and plots.
+the QA reward alone (alpha = 0) and the CMI reward alone (alpha = 1) ->
+held-out evaluation of the initial, warm-started and the three RL
+policies, with results tables (paired 95% bootstrap intervals over
+questions) and plots.
 
   python tools/reproduce.py --config=configs/small_repro.py --workdir=DIR \
       [--stages=all]
 
 Stages (`--stages`, comma-separated, in this order; `all`, or `evaluate`
-for the four evaluations). A finished stage is recorded in
+for every evaluation). A finished stage is recorded in
 `DIR/stages.json` and skipped on a rerun; an interrupted one resumes
 from its checkpoints / written predictions, so a run can be spread over
 several invocations:
@@ -18,11 +19,13 @@ several invocations:
 - `grpo`: `DIR/rl/`, GRPO from the warm start with the config's reward.
 - `grpo_qa_only`: `DIR/rl_qa_only/`, the same with `reward.alpha = 0`
   (the QA-only arm of Tables 3 / 8 and Figure 4).
-- `eval_initial`, `eval_warm_start`, `eval_rl`, `eval_rl_qa_only`:
-  `DIR/eval/<policy>/`, `cmimem_jax.evaluate` with `method=policy` on
+- `grpo_cmi_only`: `DIR/rl_cmi_only/`, the same with `reward.alpha = 1`
+  (Table 3's "+CMI" row: CMI without an outcome anchor).
+- `eval_initial`, `eval_warm_start`, `eval_rl`, `eval_rl_qa_only`,
+  `eval_rl_cmi_only`: `DIR/eval/<policy>/`, `cmimem_jax.evaluate` with `method=policy` on
   `repro.eval_dialogues`.
 - `report`: `DIR/RESULTS.md` (split, per-category table, paired
-  differences with intervals, the two arms side by side, every stage's
+  differences with intervals, the arms side by side, every stage's
   wall time) and `DIR/*.png`, from whatever has been evaluated so far.
   With `--pool=DIR2,...` (the same config run with other seeds,
   `--config.seed=1`), it adds each seed's differences and their
@@ -32,7 +35,7 @@ Another seed from the same warm start: `--config.seed=1 --workdir=DIR1
 --reuse=DIR --pool=DIR` (the teacher data, warm start and the `initial`
 / `warm_start` evaluations are taken from DIR, the rest runs in DIR1).
 
-The GRPO learning rate, chosen on the validation curve: run both arms
+The GRPO learning rate, chosen on the validation curve: run the arms
 with another rate from DIR's warm start (`--config.rl.learning_rate=3e-5
 --workdir=DIR2 --reuse=DIR --stages=grpo,grpo_qa_only`), then
 `--workdir=DIR --stages=eval_rl,eval_rl_qa_only,report --sweep=DIR2,...`
@@ -96,8 +99,10 @@ class Policy(NamedTuple):
 POLICIES = {"initial": Policy(),
             "warm_start": Policy("warm_start", "sft"),
             "rl": Policy("grpo", "rl", "CMI+QA"),
-            "rl_qa_only": Policy("grpo_qa_only", "rl_qa_only", "QA only", 0.0)}
-# The two GRPO arms, both from the warm start.
+            "rl_qa_only": Policy("grpo_qa_only", "rl_qa_only", "QA only", 0.0),
+            "rl_cmi_only": Policy("grpo_cmi_only", "rl_cmi_only", "CMI only",
+                                  1.0)}
+# The GRPO arms, all from the warm start.
 ARMS = {name: policy for name, policy in POLICIES.items() if policy.arm}
 STAGES = ("teacher", *(p.stage for p in POLICIES.values() if p.stage),
           *(f"eval_{p}" for p in POLICIES), "report")
@@ -105,11 +110,12 @@ STAGES = ("teacher", *(p.stage for p in POLICIES.values() if p.stage),
 EVALUATED_FILE = "evaluated.json"
 # Paired comparisons reported with intervals: (policy, baseline).
 COMPARISONS = (("warm_start", "initial"), ("rl", "warm_start"),
-               ("rl_qa_only", "warm_start"), ("rl", "rl_qa_only"))
+               ("rl_qa_only", "warm_start"), ("rl_cmi_only", "warm_start"),
+               ("rl", "rl_qa_only"), ("rl", "rl_cmi_only"))
 
 flags.DEFINE_list("stages", ["all"], "Stages to run, in order: "
                   f"{', '.join(STAGES)}; `all`, or `evaluate` for the "
-                  "four evaluations.")
+                  "evaluations.")
 flags.DEFINE_string("reuse", "", "A workdir of the same config whose "
                     "teacher data, warm start and initial / warm-start "
                     "evaluations this run takes over instead of recomputing "
@@ -316,8 +322,8 @@ NEEDS = {"warm_start": "teacher",
 
 
 def arm_config(config, arm: Policy, warm_start_dir: str):
-  """GRPO from the warm start; an arm with its own alpha (the QA-only arm:
-  alpha = 0, Eq. 12) changes nothing else."""
+  """GRPO from the warm start; an arm with its own alpha (Eq. 12: the
+  QA-only arm 0, the CMI-only arm 1) changes nothing else."""
   config = copy.deepcopy(config)
   config.policy.init_checkpoint = warm_start_dir
   if arm.alpha is not None:
@@ -496,6 +502,12 @@ def arms_table(arms: dict[str, list[dict]], period: int) -> str:
               _over_steps(m, "response_tokens_mean"))),
           ("policy-gradient loss", lambda m: mean_std(
               _over_steps(m, "pg_loss"))),
+          # Issue 45: whether any Semantic SKIP is judged justified (the
+          # second is logged only at steps with a SKIP).
+          ("Semantic SKIP rate (rollouts)", lambda m: mean_std(
+              _over_steps(m, "reward/semantic_skip"))),
+          ("Semantic SKIPs judged justified", lambda m: mean_std(
+              _over_steps(m, "reward/semantic_skip_justified"))),
           ("policy-gradient loss, absolute", lambda m: mean_std(
               [abs(v) for v in _over_steps(m, "pg_loss")])),
           ("validity (last step)", lambda m: last(
@@ -832,7 +844,7 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
       f"{', '.join(d.dialogue_id for d in teachers)} "
       f"({len(read_lines(data)) if os.path.exists(data) else 0} "
       "trajectories)",
-      "- GRPO (both arms): the bundled LongMemEval training sample "
+      "- GRPO (every arm): the bundled LongMemEval training sample "
       "(per-session QA)",
       f"- evaluation (never seen in training): "
       f"{', '.join(d.dialogue_id for d in held_out)}, `method=policy`, "
@@ -862,7 +874,7 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
               "runs it does not measure the spread between seeds: compare "
               "the per-seed column.", "", pooled_table(pooled), ""]
   if arms:
-    lines += ["## The two GRPO arms (same warm start, same budget)", "",
+    lines += ["## The GRPO arms (same warm start, same budget)", "",
               arms_table(arms, period), ""]
   sized = {p: s for p, s in banks.items() if s is not None}
   if sized:
