@@ -2,11 +2,14 @@
 abstract shapes, on the fake 8-device CPU mesh and for a TPU topology
 (libtpu, from the test extras)."""
 
+import math
 import os
 import sys
 
 import jax
 import pytest
+
+from cmimem_jax.task.curriculum import Curriculum, SessionRef
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import plan  # noqa: E402
@@ -42,11 +45,13 @@ def test_plan_reports_memory_and_fit_for_a_sharded_mesh():
 @pytest.mark.slow
 def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
   pytest.importorskip("libtpu", reason="the TPU extra is not installed")
-  rows = plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py",
-                    "--topology=v5p-8", "--layers=1", "--length=512",
-                    "--completion=128"])
-  assert [r["program"] for r in rows] == ["train", "rollout_prefill",
-                                          "rollout_decode"]
+  # --run: the programs at the run's rows per chip (2 training rows; 4
+  # sessions a decoding wave), then the run's line.
+  *rows, run = plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py",
+                          "--topology=v5p-8", "--layers=1", "--length=512",
+                          "--completion=128", "--run"])
+  assert [(r["program"], r["rows_per_chip"]) for r in rows] == [
+      ("train", 2), ("rollout_prefill", 4), ("rollout_decode", 4)]
   for row in rows:
     assert row["device_kind"] == "TPU v5" and row["devices"] == 4
     assert row["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
@@ -63,6 +68,33 @@ def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
   # A training step does far more work than one decoded token.
   assert (train["model_tflops"] > prefill["model_tflops"]
           > decode["model_tflops"] > 0)
+  # 5 passes over the RL split's 50 dialogues x 48 sessions, 32 a step.
+  assert run["program"] == "run" and run["steps"] == math.ceil(
+      5 * 50 * 48 / 32) == 375
+  assert run["hours"] > 0 and run["chips"] == 4
+  assert run["chip_hours"] == pytest.approx(run["hours"] * 4, abs=2e-3)
+  assert run["fits"] == {"train": True, "rollout_prefill": True,
+                         "rollout_decode": True}
+  per_step = run["per_step"]
+
+  def roofline(row):  # v5p: 459 TFLOP/s, 2765 GB/s.
+    return max(row["model_tflops"] / 459,
+               row["model_bytes_gib"] * plan.GIB / 2765e9)
+
+  # The programs' roofline seconds, times their calls in a step: 32
+  # micro-batches; 2 waves of a prefill and 128 decoded tokens.
+  assert per_step["train_s"] == pytest.approx(32 * roofline(train), rel=1e-2)
+  assert per_step["rollout_prefill_s"] == pytest.approx(
+      2 * roofline(prefill), rel=1e-2)
+  assert per_step["rollout_decode_s"] == pytest.approx(
+      2 * 128 * roofline(decode), rel=1e-2)
+  # 256 rollouts x (answers, verdicts) x 3 s; the JAX sampler's log-probs.
+  assert per_step["reward_endpoint_s"] == 256 * 2 * 3.0
+  assert per_step["recompute_logprobs_s"] == 0
+  assert run["step_s"] == pytest.approx(sum(per_step.values()), abs=1e-2)
+  assert set(run["assumptions"]) == {*per_step, "steps", "step_s", "hours",
+                                     "chip_hours"}
+  assert "459" in run["assumptions"]["hours"]
   with pytest.raises(SystemExit, match="v5p-8"):
     plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py",
                "--topology=v7x-8"])
@@ -78,3 +110,73 @@ def test_plan_compiles_the_cmi_kernel_for_a_v5p_8():
   assert row["total_gib"] > 0 and row["fits"] is True
   assert row["bound"] in ("compute", "memory")
   assert "layers" not in row and "length" not in row
+
+
+# --- the whole run (--run): the arithmetic, without compiling ----------------
+
+SHAPE = plan.RunShape(
+    sessions=100, epochs=3, sessions_per_step=8, max_steps=0, rollouts=4,
+    micro_batches=2, completion_tokens=10, waves=2, endpoint_rounds=3,
+    call_latency_s=0.5, chips=4)
+SECONDS = {"rollout_prefill": 1.0, "rollout_decode": 0.1, "train": 5.0,
+           "recompute": 0.25, "cmi_kernel": 0.5}
+
+
+def test_run_cost_adds_every_stage_of_every_step():
+  run = plan.run_cost(SHAPE, SECONDS)
+  # ceil(3 x 100 / 8): the last batch runs into a fourth pass.
+  assert run["steps"] == 38
+  assert run["per_step"] == {
+      "rollout_prefill_s": 2 * 1.0,             # waves x a wave's prefill
+      "rollout_decode_s": 2 * 10 * 0.1,         # waves x tokens x a token
+      "reward_cmi_s": 0.5,
+      "reward_endpoint_s": 8 * 4 * 3 * 0.5,     # rollouts x rounds x latency
+      "recompute_logprobs_s": 2 * 0.25,         # micro-batches x a forward
+      "train_s": 2 * 5.0}                       # micro-batches x a call
+  assert run["step_s"] == 63.0
+  assert run["hours"] == round(38 * 63.0 / 3600, 3)
+  assert run["chip_hours"] == round(38 * 63.0 / 3600 * 4, 3)
+  # max_steps overrides the passes.
+  capped = plan.run_cost(plan.dataclasses.replace(SHAPE, max_steps=5),
+                         SECONDS)
+  assert capped["steps"] == 5 and capped["step_s"] == run["step_s"]
+
+
+@pytest.mark.parametrize("sessions,batch,epochs", [(100, 8, 3), (2400, 32, 5),
+                                                   (7, 3, 1), (96, 32, 2)])
+def test_run_steps_are_the_curricula(sessions, batch, epochs):
+  refs = [SessionRef(0, i, float(i)) for i in range(sessions)]
+  shape = plan.dataclasses.replace(SHAPE, sessions=sessions,
+                                   sessions_per_step=batch, epochs=epochs)
+  assert shape.steps == Curriculum(refs, batch, 3, epochs).planned_steps
+
+
+def _config(name: str, **rl):
+  config = plan._load_config(f"{ROOT}/configs/{name}")
+  config.rl.update(rl)
+  return config
+
+
+def test_run_layout_sessions_and_endpoint_rounds_of_the_paper_configs():
+  tpu, h20 = _config("qwen3_4b_tpu.py"), _config("qwen3_4b_h20_vllm.py")
+  # 32 sessions x 8 rollouts, 32 micro-batches; the TPU decodes 128 rows
+  # (16 sessions) a wave, vLLM every row at once.
+  assert plan.run_layout(tpu, 4) == {"train": 2, "rollout_prefill": 4,
+                                     "rollout_decode": 4, "waves": 2}
+  assert plan.run_layout(h20, 8) == {"train": 1, "rollout_prefill": 4,
+                                     "rollout_decode": 4, "waves": 1}
+  # Shares that do not divide round up.
+  assert plan.run_layout(tpu, 3)["train"] == 3
+  # The RL split's 50 dialogues x 48 sessions (Table 5: ~2,400), less the
+  # held-out ones; --sessions replaces the count.
+  assert plan.run_sessions(tpu, 0)[0] == 2400
+  assert plan.run_sessions(_config("qwen3_4b.py", validation_sessions=100),
+                           0)[0] == 2300
+  assert plan.run_sessions(tpu, 640) == (640, "--sessions=640")
+  with pytest.raises(SystemExit, match="--sessions"):
+    plan.run_sessions(_config("default.py"), 0)
+  # 5 questions answered (concurrency 8: one round), then judged (one).
+  assert plan.endpoint_rounds(tpu, 5) == 2
+  tpu.qa.answer.concurrency = 2
+  assert plan.endpoint_rounds(tpu, 5) == 3 + 1
+  assert plan.endpoint_rounds(_config("tiny.py"), 5) == 0

@@ -5,6 +5,9 @@ programs on a TPU topology (or fake CPU devices).
   python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8
   python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=cpu:8 \
       --mesh=fsdp:4,tensor:2 --length=4096 --batch=1,2 --budgets=16,32
+  python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8 --run
+  python tools/plan.py --config=configs/qwen3_4b_h20_vllm.py \
+      --topology=v5p-16 --chip=h20 --run
 
 Builds every program from abstract shapes only (no weights are read or
 allocated), compiles it with XLA for the topology's devices
@@ -38,6 +41,31 @@ each line also has `host_gib`, the N devices' totals together (the
 resident state once, sharded; whatever is replicated or all-gathered N
 times): the program's share of the process's peak RSS, which adds the
 interpreter, tokenizer and compiled code (~1-1.5 GiB for a training job).
+
+`--run` costs the config's whole GRPO run before it starts. It compiles
+the three programs at the run's rows per chip (`run_layout`: a
+micro-batch's rows; a decoding wave's sessions) and adds, with `run_cost`
+(pure arithmetic, tested on its own), per step: the rollout (each wave's
+prefill, then `max_new_tokens` decoding steps that read the weights and
+the whole KV cache: HBM-bound), the rewards (one CMI kernel call; the
+answer-model and judge calls of every rollout, one after another as
+`score_rollouts` makes them, at `--call_latency_s`), vLLM's old log-probs
+recomputed (one forward per micro-batch) and the `rl.micro_batches` train
+calls; times the steps (`rl.epochs` passes over the sessions at
+`rl.sessions_per_batch` a step; the sessions from the split's question
+ids x `LONGMEMEVAL_SESSIONS_PER_DIALOGUE`, or `--sessions`). It prints a
+`run` JSON line (`steps`, `per_step`, `step_s`, `hours`, `chip_hours`,
+`fits`, `assumptions`: each number's derivation) and the same as a table
+on stderr. `--chip` prices the same programs on another chip's published
+figures (`h20`: compiled for the 8 devices of a v5p-16, since there is no
+GPU compiler here) or on this machine's measured ones (`host`).
+
+Checked on this CPU against `configs/default.py`'s measured GRPO step
+(`--topology=cpu:1 --preset=smollm2_135m --chip=host`; BENCHMARKS.md,
+"The paper's run, costed"): measured / estimated was 0.64 for the learner
+step (83.0 s against 130.3 s: the estimate counts whole rows, the demo
+runs each prompt once for its 2 rollouts), 1.24 for the rollout (44.2
+against 35.7 s) and 0.79 for the step, on 2 cores at load average 10-15.
 """
 
 from __future__ import annotations
@@ -72,6 +100,13 @@ CHIPS = {
     "v5p": Chip(95, 459, 2765, "https://cloud.google.com/tpu/docs/v5p"),
     "v6e": Chip(32, 918, 1640, "https://cloud.google.com/tpu/docs/v6e"),
     "v5e": Chip(16, 197, 819, "https://cloud.google.com/tpu/docs/v5e"),
+    # NVIDIA publishes no data sheet for the H20 (Table 7's GPU); these are
+    # the figures its partners and reviewers report: 148 TFLOP/s dense
+    # FP16/BF16, 4.0 TB/s HBM3, 96 GB (= 89.4 GiB).
+    "h20": Chip(96e9 / GIB, 148, 4000,
+                "NVIDIA H20 96GB as reported by "
+                "https://willitrunai.com/gpus/h20-96gb (no NVIDIA data "
+                "sheet)"),
 }
 
 
@@ -125,6 +160,25 @@ def _args(argv):
                       help="N,d of the cmi_kernel program's memories")
   parser.add_argument("--markdown", action="store_true",
                       help="also print the compiled programs as a table")
+  parser.add_argument("--run", action="store_true",
+                      help="cost the config's whole GRPO run: compile its "
+                      "programs at the run's rows per chip (replaces "
+                      "--programs and --batch) and print a `run` line "
+                      "(hours, chip_hours, assumptions) and a table")
+  parser.add_argument("--sessions", type=int, default=0,
+                      help="--run: training sessions of one pass (default: "
+                      "the LongMemEval split's dialogues x "
+                      f"{LONGMEMEVAL_SESSIONS_PER_DIALOGUE})")
+  parser.add_argument("--call_latency_s", type=float, default=3.0,
+                      help="--run: seconds of one answer-model or judge "
+                      "call at the endpoint")
+  parser.add_argument("--cmi_ops", type=int, default=10,
+                      help="--run: scored memory operations per rollout")
+  parser.add_argument("--chip", default="",
+                      help=f"roofline and fit against this chip ({sorted(CHIPS)}"
+                      ", or `host`: this machine, measured) instead of the "
+                      "topology's; e.g. --topology=v5p-16 --chip=h20: "
+                      "8 devices priced as 8 H20s")
   return parser.parse_args(argv)
 
 
@@ -219,12 +273,257 @@ def measure(compiled, chip, cost: tuple[float, float]) -> dict:
       "model_tflops": round(flops / 1e12, 3),
       "model_bytes_gib": round(accessed / GIB, 3)}
   if chip is not None:
-    compute_s = flops / (chip.peak_bf16_tflops * 1e12)
-    memory_s = accessed / (chip.hbm_gbytes_per_s * 1e9)
-    row.update(roofline_s=round(max(compute_s, memory_s), 4),
-               bound="compute" if compute_s >= memory_s else "memory",
-               hbm_gib=chip.hbm_gib, fits=total <= chip.hbm_gib * GIB)
+    seconds, bound = roofline(cost, chip)
+    row.update(roofline_s=round(seconds, 4), bound=bound,
+               hbm_gib=round(chip.hbm_gib, 3),
+               fits=total <= chip.hbm_gib * GIB)
   return row
+
+
+def roofline(cost: tuple[float, float], chip: Chip) -> tuple[float, str]:
+  """(seconds, "compute" | "memory") of (FLOPs, HBM bytes) on one chip:
+  max(FLOPs / peak FLOP/s, bytes / HBM bandwidth)."""
+  flops, accessed = cost
+  compute_s = flops / (chip.peak_bf16_tflops * 1e12)
+  memory_s = accessed / (chip.hbm_gbytes_per_s * 1e9)
+  return max(compute_s, memory_s), ("compute" if compute_s >= memory_s
+                                    else "memory")
+
+
+# --- the whole run (--run) -------------------------------------------------
+
+# Table 5: the RL split's 50 LongMemEval (longmemeval_s) dialogues hold
+# ~2,400 sessions, and 5 synthesized QA pairs per session (12,000 in all;
+# `tools/synthesize_qa.py --per_session`).
+LONGMEMEVAL_SESSIONS_PER_DIALOGUE = 48
+QA_PER_SESSION = 5
+# The programs a run's step is made of, compiled at the run's rows per chip.
+RUN_PROGRAMS = ("train", "rollout_prefill", "rollout_decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+  """What a GRPO run does (`task.loop.Trainer`), counted from its config:
+  a step samples `sessions_per_step x rollouts` rows in `waves` decoding
+  waves of `completion_tokens` tokens (every row runs to the cap), scores
+  every rollout, then takes `micro_batches` train-program calls."""
+  sessions: int           # Training sessions in one pass (an epoch).
+  epochs: int
+  sessions_per_step: int
+  max_steps: int          # 0: `epochs` passes decide.
+  rollouts: int           # Per session.
+  micro_batches: int
+  completion_tokens: int
+  waves: int
+  # Sequential rounds of endpoint calls per rollout (answers, then
+  # verdicts; 0 without the LLM judge) and one round's seconds.
+  endpoint_rounds: int
+  call_latency_s: float
+  chips: int
+
+  @property
+  def steps(self) -> int:
+    """`Curriculum.planned_steps`: whole passes, the last batch may run
+    into a further pass; `max_steps` overrides."""
+    return self.max_steps or -(-self.epochs * self.sessions
+                               // self.sessions_per_step)
+
+
+def run_cost(shape: RunShape, seconds: dict[str, float]) -> dict:
+  """The run's time from one call of each program (`seconds`, per chip,
+  the chips in parallel): "rollout_prefill" (one wave's prompts),
+  "rollout_decode" (one token of one wave's rows), "train" (one
+  micro-batch), "recompute" (one micro-batch's forward for old log-probs;
+  0 where the sampler gives them) and "cmi_kernel" (a step's CMI terms).
+  The loop runs its stages one after another, so a step is their sum;
+  `hours` the steps' total, `chip_hours` that times the chips held."""
+  rollouts = shape.sessions_per_step * shape.rollouts
+  per_step = {
+      "rollout_prefill_s": shape.waves * seconds["rollout_prefill"],
+      "rollout_decode_s": (shape.waves * shape.completion_tokens
+                           * seconds["rollout_decode"]),
+      "reward_cmi_s": seconds["cmi_kernel"],
+      "reward_endpoint_s": (rollouts * shape.endpoint_rounds
+                            * shape.call_latency_s),
+      "recompute_logprobs_s": shape.micro_batches * seconds["recompute"],
+      "train_s": shape.micro_batches * seconds["train"]}
+  step_s = sum(per_step.values())
+  hours = shape.steps * step_s / 3600
+  return {"steps": shape.steps,
+          "per_step": {k: round(v, 6) for k, v in per_step.items()},
+          "step_s": round(step_s, 6), "hours": round(hours, 3),
+          "chip_hours": round(hours * shape.chips, 3), "chips": shape.chips}
+
+
+def run_layout(config, chips: int) -> dict[str, int]:
+  """Rows per chip of each program in the config's run on `chips` chips:
+  a micro-batch's training rows; a decoding wave's prompts (at most
+  `rollout.max_rows_per_wave` rows, whole groups; 0: the whole step), and
+  the waves of a step. A share that does not divide rounds up (the
+  program pads)."""
+  rl, rollout = config.rl, config.rollout
+  rows = rl.sessions_per_batch * rollout.num_rollouts
+  wave = min(rollout.max_rows_per_wave or rows, rows)
+  prompts = max(1, wave // rollout.num_rollouts)
+  return {"train": -(-rows // (rl.micro_batches * chips)),
+          "rollout_prefill": -(-prompts // chips),
+          "rollout_decode": -(-prompts // chips),
+          "waves": -(-rl.sessions_per_batch // prompts)}
+
+
+def endpoint_rounds(config, questions: int) -> int:
+  """Sequential endpoint rounds per rollout: `QAReward` answers a
+  rollout's questions (at most `concurrency` in flight), then judges the
+  answers; `score_rollouts` takes the rollouts one after another. 0
+  without the LLM judge."""
+  qa = config.qa
+  if qa.judge != "llm":
+    return 0
+  return (-(-questions // qa.answer.concurrency)
+          + -(-questions // qa.judge_endpoint.concurrency))
+
+
+def run_sessions(config, sessions: int) -> tuple[int, str]:
+  """(training sessions of one pass, where the count comes from):
+  `sessions` if given, else the LongMemEval split's dialogues (the
+  bundled question ids) x `LONGMEMEVAL_SESSIONS_PER_DIALOGUE`, less the
+  held-out `rl.validation_sessions`."""
+  held_out = config.rl.validation_sessions
+  if sessions:
+    return sessions - held_out, f"--sessions={sessions}"
+  from cmimem_jax.data import longmemeval_split_ids
+  dataset = config.dataset
+  if dataset.name != "longmemeval" or dataset.split not in ("sft", "rl",
+                                                            "test"):
+    raise SystemExit(f"--run: dataset {dataset.name!r} split "
+                     f"{dataset.split!r} has no known session count; pass "
+                     "--sessions=N")
+  dialogues = len(longmemeval_split_ids(dataset.split))
+  return (dialogues * LONGMEMEVAL_SESSIONS_PER_DIALOGUE - held_out,
+          f"{dialogues} dialogues of LongMemEval's {dataset.split} split x "
+          f"{LONGMEMEVAL_SESSIONS_PER_DIALOGUE} sessions (Table 5: ~2,400 "
+          f"in 50), less {held_out} held out")
+
+
+def host_chip(dtype: str) -> Chip:
+  """This host's measured peak, as a `Chip`: the best of five 2048^2
+  `dtype` matmuls (FLOP/s) and of five elementwise passes over 256 MiB
+  (read + write bytes/s), on JAX's first CPU device."""
+  import jax
+  import jax.numpy as jnp
+  n, size = 2048, 2 ** 26
+  a = jnp.ones((n, n), dtype)
+  x = jnp.ones((size,), jnp.float32)
+  matmul, scale = jax.jit(jnp.dot), jax.jit(lambda v: v * 2.0)
+
+  def best(fn, *args) -> float:
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(5):
+      start = time.perf_counter()
+      fn(*args).block_until_ready()
+      times.append(time.perf_counter() - start)
+    return min(times)
+
+  tflops = 2 * n ** 3 / best(matmul, a, a) / 1e12
+  gbytes = 2 * 4 * size / best(scale, x) / 1e9
+  return Chip(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB,
+              round(tflops, 3), round(gbytes, 1),
+              f"measured on this host ({os.cpu_count()} cores): {dtype} "
+              f"{n}^2 matmul, f32 copy of 256 MiB, best of 5")
+
+
+def run_table(run: dict) -> str:
+  """The run as a Markdown table: each number beside its assumption."""
+  lines = ["| quantity | value | assumption |", "|---|---|---|"]
+  for name, value in [("steps", run["steps"]), *run["per_step"].items(),
+                      ("step_s", run["step_s"]), ("hours", run["hours"]),
+                      ("chip_hours", run["chip_hours"])]:
+    lines.append(f"| {name} | {value} | "
+                 f"{run['assumptions'].get(name, '')} |")
+  return "\n".join(lines)
+
+
+def _pass_names(model_config, rl) -> list[str]:
+  """The layer stack's passes of a train step, as `main` counts them."""
+  return (["forward", "backward x2"]
+          + (["remat re-forward"] if model_config.remat != "none" else [])
+          + (["KL reference forward"] if rl.kl_beta > 0 else []))
+
+
+def _run(args, config, model_config, chip: Chip, layout: dict[str, int],
+         seconds: dict[str, float], compiled: list[dict], passes: int,
+         length: int, completion: int) -> dict:
+  """The `run` line of `--run`: `run_cost` of the compiled programs'
+  roofline seconds, the CMI kernel's and the old log-probs' recompute
+  from the same model count, every assumption beside its number."""
+  rl, rollout = config.rl, config.rollout
+  chips = compiled[0]["devices"]
+  sessions, source = run_sessions(config, args.sessions)
+  rollouts = rl.sessions_per_batch * rollout.num_rollouts
+  conditioning = config.reward.conditioning
+  n, d = conditioning.top_k + conditioning.n_recent, config.encoder.dim
+  cmi_rows = -(-rollouts * args.cmi_ops // chips)
+  seconds["cmi_kernel"] = roofline(step_cost(
+      model_config, "cmi_kernel", cmi_rows, n, d, passes, 1), chip)[0]
+  vllm = rollout.engine == "vllm"
+  # vLLM's log-probs are not the learner's: one forward per micro-batch.
+  seconds["recompute"] = seconds["train"] / passes if vllm else 0.0
+  rounds = endpoint_rounds(config, QA_PER_SESSION)
+  shape = RunShape(sessions, max(1, rl.epochs), rl.sessions_per_batch,
+                   rl.max_steps, rollout.num_rollouts, rl.micro_batches,
+                   completion, layout["waves"], rounds, args.call_latency_s,
+                   chips)
+  run = run_cost(shape, seconds)
+  prompt = length - completion
+  steps = (f"rl.max_steps={rl.max_steps}" if rl.max_steps else
+           f"ceil({shape.epochs} epochs x {sessions} sessions / "
+           f"{rl.sessions_per_batch} per step)")
+  qa = config.qa
+  assumptions = {
+      "steps": f"{steps}; sessions: {source}",
+      "rollout_prefill_s": (
+          f"{layout['waves']} waves x {seconds['rollout_prefill']:.4g} s: "
+          f"{layout['rollout_prefill']} prompts/chip of {prompt} tokens"),
+      "rollout_decode_s": (
+          f"{layout['waves']} waves x {completion} tokens (every rollout to "
+          f"the cap) x {seconds['rollout_decode']:.4g} s: "
+          f"{layout['rollout_decode'] * rollout.num_rollouts} rows/chip, "
+          "each step reads the weights and the whole allocated KV cache "
+          f"({prompt} shared prompt + {completion} own tokens)"),
+      "reward_cmi_s": (
+          f"{rollouts} rollouts x {args.cmi_ops} scored operations "
+          f"(--cmi_ops), N = {n}, d = {d}, float32, one kernel call"),
+      "reward_endpoint_s": (
+          f"{rollouts} rollouts one after another x {rounds} rounds "
+          f"(ceil({QA_PER_SESSION} questions / concurrency "
+          f"{qa.answer.concurrency}) answers, then ceil({QA_PER_SESSION} / "
+          f"{qa.judge_endpoint.concurrency}) verdicts) x "
+          f"{args.call_latency_s} s a call (--call_latency_s), every "
+          "rollout valid" if rounds else f"qa.judge={qa.judge}: no endpoint"),
+      "recompute_logprobs_s": (
+          f"rollout.engine=vllm: {rl.micro_batches} micro-batches x one "
+          f"forward (the train program / {passes} passes)" if vllm else
+          "0: the JAX sampler's log-probs are the old ones"),
+      "train_s": (
+          f"{rl.micro_batches} micro-batches x {seconds['train']:.4g} s: "
+          f"{layout['train']} rows/chip of {length} tokens, {passes} layer "
+          f"passes ({', '.join(_pass_names(model_config, rl))})"
+          + ("; whole rows, though rl.share_prompts runs each prompt once "
+             "per group (an upper bound)" if rl.share_prompts else "")),
+      "step_s": "the stages one after another (Trainer.step); no compile, "
+                "checkpoint, encoder or memory-edit time",
+      "hours": (f"roofline: max(model FLOPs / {chip.peak_bf16_tflops:g} "
+                f"TFLOP/s, model HBM bytes / {chip.hbm_gbytes_per_s:g} "
+                f"GB/s) per program ({chip.source}); XLA's cost_analysis "
+                "counts the scanned layer once, so FLOPs and bytes are the "
+                "model's count of each compiled program (tests/test_plan.py "
+                "checks the two agree for one layer)"),
+      "chip_hours": f"hours x {chips} chips ({args.topology}"
+                    f"{', ' + args.chip if args.chip else ''})"}
+  return {"program": "run", "config": args.config, "sessions": sessions,
+          **run, "fits": {r["program"]: r.get("fits") for r in compiled},
+          "assumptions": assumptions}
 
 
 def main(argv=None) -> list[dict]:
@@ -261,6 +560,13 @@ def main(argv=None) -> list[dict]:
   mesh = Mesh(np.array(devices).reshape([shape[a] for a in AXES]), AXES)
   config = _load_config(args.config)
   policy = config.policy
+  if args.chip == "host":
+    chip = host_chip(policy.dtype)
+  elif args.chip:
+    if args.chip not in CHIPS:
+      raise SystemExit(f"--chip must be one of {sorted(CHIPS)} or host, got "
+                       f"{args.chip!r}")
+    chip = CHIPS[args.chip]
   overrides = dict(dtype=policy.dtype, param_dtype=policy.param_dtype,
                    remat=policy.remat,
                    attention_impl=policy.get("attention_impl", "auto"))
@@ -357,7 +663,8 @@ def main(argv=None) -> list[dict]:
   programs: dict[str, Callable] = {"train": train, "rollout_prefill": prefill,
                                    "rollout_decode": decode,
                                    "cmi_kernel": cmi_kernel}
-  names = [p for p in args.programs.split(",") if p]
+  names = (list(RUN_PROGRAMS) if args.run else
+           [p for p in args.programs.split(",") if p])
   unknown = set(names) - set(programs)
   if unknown:
     raise SystemExit(f"unknown programs {sorted(unknown)}; known: "
@@ -367,7 +674,16 @@ def main(argv=None) -> list[dict]:
              [rollout.max_prompt_tokens + rollout.max_new_tokens])
   budgets = ([float(x) for x in args.budgets.split(",")] if args.budgets
              else [chip.hbm_gib] if chip else [16.0, 32.0, 95.0])
-  per_chip = [int(b) for b in args.batch.split(",")]
+  if args.run:
+    if chip is None or len(lengths) != 1:
+      raise SystemExit("--run needs a chip's peak figures (a TPU topology "
+                       "or --chip) and one --length")
+    layout = run_layout(config, len(devices))
+    batches = {name: [layout[name]] for name in names}
+  else:
+    per_chip = [int(b) for b in args.batch.split(",")]
+    batches = {name: per_chip for name in names}
+  seconds: dict[str, float] = {}
   rows = []
   cmi_n, cmi_d = (int(x) for x in args.cmi_shape.split(","))
   for length in lengths:
@@ -377,8 +693,12 @@ def main(argv=None) -> list[dict]:
       shape = ((cmi_n, cmi_d) if name == "cmi_kernel"
                else (length, completion))
       points = []
-      for rows_per_chip in per_chip:
+      for rows_per_chip in batches[name]:
         start = time.perf_counter()
+        cost = step_cost(model_config, name, rows_per_chip, *shape, passes,
+                         group)
+        if chip is not None:
+          seconds[name] = roofline(cost, chip)[0]
         # The mesh in context: the splash kernel shards itself over it.
         with jax.set_mesh(mesh):
           lowered = programs[name](rows_per_chip * shards, *shape)
@@ -386,8 +706,7 @@ def main(argv=None) -> list[dict]:
           impl = ("cached_xla" if name == "rollout_decode" else resolve_impl(
               model_config.attention_impl, length, model_config.compute_dtype))
           try:
-            measured = measure(lowered.compile(), chip, step_cost(
-                model_config, name, rows_per_chip, *shape, passes, group))
+            measured = measure(lowered.compile(), chip, cost)
           except jax.errors.JaxRuntimeError as e:
             # The TPU compiler refuses a program over its HBM.
             if "RESOURCE_EXHAUSTED" not in str(e):
@@ -418,6 +737,12 @@ def main(argv=None) -> list[dict]:
       if len(points) >= 2:
         rows.append(_fit(name, length, points, budgets))
         print(json.dumps(rows[-1]), flush=True)
+  if args.run:
+    rows.append(_run(args, config, model_config, chip, layout, seconds,
+                     [r for r in rows if "program" in r and "topology" in r],
+                     passes, lengths[0], completion))
+    print(json.dumps(rows[-1]), flush=True)
+    print(run_table(rows[-1]), file=sys.stderr, flush=True)
   if args.markdown:
     print(to_markdown(rows))
   return rows
