@@ -181,24 +181,36 @@ ANCHOR_COSINE = 0.5
 _SQUARE_RANGE = (1e-30, 1e30)
 
 
-def lane_products(a: jax.Array, b: jax.Array) -> jax.Array:
+def lane_products(a: jax.Array, b: jax.Array, blocked: bool = False
+                  ) -> jax.Array:
   """`[B, R, d] x [B, S, d] -> [B, R, S]` dot products of every pair of
   rows, as one elementwise multiply-and-reduce keeping `GRAM_LANES` partial
   sums (XLA:CPU vectorises it over the lanes; as a batched matmul it runs
   the per-row products at a few GFLOP/s). Every pair goes through the same
-  code: equal rows give bitwise-equal results."""
+  code: equal rows give bitwise-equal results.
+
+  The partial sums are strided lanes (`x[k::GRAM_LANES]`), or with
+  `blocked` contiguous blocks of `d / GRAM_LANES`, each reduced and
+  materialised before the partial sums are added (XLA merges the lanes'
+  two reductions into one, which is 3x slower on a Gram of 20 rows at
+  d = 1024; the blocks are 1.5-2x slower on the K = 2 products and at
+  N = 8)."""
   batch, dim = a.shape[0], a.shape[-1]
   pad = (-dim) % GRAM_LANES
   if pad:
     a = jnp.pad(a, ((0, 0), (0, 0), (0, pad)))
     b = jnp.pad(b, ((0, 0), (0, 0), (0, pad)))
   chunks = (dim + pad) // GRAM_LANES  # Explicit: a side may have 0 rows.
-  left = a.reshape(batch, a.shape[1], chunks, GRAM_LANES)
-  right = b.reshape(batch, b.shape[1], chunks, GRAM_LANES)
+  split = (GRAM_LANES, chunks) if blocked else (chunks, GRAM_LANES)
+  left = a.reshape(batch, a.shape[1], *split)
+  right = b.reshape(batch, b.shape[1], *split)
+  products = left[:, :, None] * right[:, None]
   # Fused with its consumers, XLA repeats the reduction (3-5x slower);
   # callers materialise computed operands for the same reason.
-  return jax.lax.optimization_barrier(
-      jnp.sum(left[:, :, None] * right[:, None], axis=3).sum(-1))
+  if blocked:
+    partial = jax.lax.optimization_barrier(jnp.sum(products, axis=-1))
+    return jax.lax.optimization_barrier(jnp.sum(partial, axis=-1))
+  return jax.lax.optimization_barrier(jnp.sum(products, axis=3).sum(-1))
 
 
 def _power_of_two(x: jax.Array) -> jax.Array:
@@ -233,23 +245,30 @@ jax.tree_util.register_dataclass(_Anchored, ["deltas", "scale", "index",
 # Up to this many memory elements (B·N·d) a batched matmul is faster than
 # the lane reduction, and one fused program beats separate ones.
 SMALL_WORK = 1 << 21
+# From this many memories per row the lane reductions are blocked.
+BLOCKED_MIN_N = 16
 
 
-def _use_lanes(mem: jax.Array) -> bool:
-  """Whether every product of a call runs as `lane_products` (CPU, more
-  than `SMALL_WORK`): decided per call, not per product, since one
-  batched matmul among lane reductions in a program slows it by more
-  than the matmul takes alone (the [B, 2, 2] query products: +0.7 ms at
-  B = 1024, N = 8, d = 384, a sixth of the call)."""
-  return target_platform() == "cpu" and (
-      mem.shape[0] * max(mem.shape[1], 2) * mem.shape[2] > SMALL_WORK)
+def _form(mem: jax.Array) -> str:
+  """The form of every product of a call: "matmul" (small work or not
+  CPU), or `lane_products` as "lanes" or "blocks" (N from
+  `BLOCKED_MIN_N`). Decided per call, not per product: one batched matmul
+  among lane reductions in a program slows it by more than the matmul
+  takes alone (the [B, 2, 2] query products: +0.7 ms at B = 1024, N = 8,
+  d = 384, a sixth of the call), and the anchored solve of a repeated
+  memory needs the Gram and `M δ` summed in the same order (mixed, the
+  error of a thrice-stored memory's rho grew from 2e-4 to 2e-3)."""
+  batch, n, dim = mem.shape
+  if target_platform() != "cpu" or batch * max(n, 2) * dim <= SMALL_WORK:
+    return "matmul"
+  return "blocks" if n >= BLOCKED_MIN_N else "lanes"
 
 
-def _pairwise(a: jax.Array, b: jax.Array, lanes: bool) -> jax.Array:
+def _pairwise(a: jax.Array, b: jax.Array, form: str) -> jax.Array:
   """Dot products of every pair of rows, `[B, R, d] x [B, S, d] ->
-  [B, R, S]`: `lane_products`, or a batched matmul."""
-  if lanes:
-    return lane_products(a, b)
+  [B, R, S]` in `form` (see `_form`)."""
+  if form != "matmul":
+    return lane_products(a, b, blocked=form == "blocks")
   # CPU dots are float32 at any precision setting and "default" picks the
   # faster contraction; TPU / GPU need HIGHEST for float32 (not one bf16
   # pass) on their matrix units.
@@ -258,13 +277,12 @@ def _pairwise(a: jax.Array, b: jax.Array, lanes: bool) -> jax.Array:
                     precision=None if on_cpu else jax.lax.Precision.HIGHEST)
 
 
-def _products(queries: jax.Array, mem: jax.Array) -> _Products:
+def _products(queries: jax.Array, mem: jax.Array, form: str) -> _Products:
   # The memories stay the left operand of every product with the queries
   # (a [B, N, d] x [B, 2, d] contraction is 2x faster that way round).
-  lanes = _use_lanes(mem)
-  return _Products(_pairwise(queries, queries, lanes),
-                   _pairwise(mem, mem, lanes),
-                   jnp.swapaxes(_pairwise(mem, queries, lanes), -1, -2))
+  return _Products(_pairwise(queries, queries, form),
+                   _pairwise(mem, mem, form),
+                   jnp.swapaxes(_pairwise(mem, queries, form), -1, -2))
 
 
 def _inverse_norms(squares: jax.Array, valid: jax.Array) -> jax.Array:
@@ -296,11 +314,10 @@ def _anchor(queries: jax.Array, mem: jax.Array, mask: jax.Array,
                    anchors.index, valid)
 
 
-def _anchored_products(mem: jax.Array, deltas: jax.Array
+def _anchored_products(mem: jax.Array, deltas: jax.Array, form: str
                        ) -> tuple[jax.Array, jax.Array]:
   """Stage 3: `M δ` `[B, N, 2]` and `δ_a·δ_b` `[B, 2, 2]`."""
-  lanes = _use_lanes(mem)
-  return _pairwise(mem, deltas, lanes), _pairwise(deltas, deltas, lanes)
+  return _pairwise(mem, deltas, form), _pairwise(deltas, deltas, form)
 
 
 def _finish(products: _Products, anchored: _Anchored, v: jax.Array,
@@ -366,17 +383,17 @@ def _no_memories(products: _Products) -> jax.Array:
 
 
 def _rho_raw(queries: jax.Array, mem: jax.Array, mask: jax.Array,
-             lam: jax.Array, min_memories: jax.Array | int,
+             lam: jax.Array, min_memories: jax.Array | int, form: str,
              products: _Products | None = None) -> jax.Array:
   """`rho` `[B]` of raw queries `[B, 2, d]` given raw memories
-  `[B, N, d]`, the four stages in one trace; squares must not over- or
-  underflow float32."""
+  `[B, N, d]`, the four stages in one trace with products in `form`;
+  squares must not over- or underflow float32."""
   if products is None:
-    products = _products(queries, mem)
+    products = _products(queries, mem, form)
   if mem.shape[1] == 0:
     return _no_memories(products)
   anchored = _anchor(queries, mem, mask, products)
-  v, dd = _anchored_products(mem, anchored.deltas)
+  v, dd = _anchored_products(mem, anchored.deltas, form)
   return _finish(products, anchored, v, dd, mask, lam, min_memories)
 
 
@@ -396,13 +413,15 @@ def residual_cmi_unchecked(e_ctx: jax.Array, e_new: jax.Array,
   same.)"""
   lam = jnp.asarray(lam, jnp.float32)
   queries, mem = _queries(e_ctx, e_new), mem.astype(jnp.float32)
-  products = _products(queries, mem)
+  form = _form(mem)
+  products = _products(queries, mem, form)
   # Squares that over- or underflow: the same on normalised rows (rare).
   return jax.lax.cond(
       _extreme(products, mem_mask),
       lambda: _rho_raw(l2_normalize(queries), l2_normalize(mem), mem_mask,
-                       lam, min_memories),
-      lambda: _rho_raw(queries, mem, mem_mask, lam, min_memories, products))
+                       lam, min_memories, form),
+      lambda: _rho_raw(queries, mem, mem_mask, lam, min_memories, form,
+                       products))
 
 
 @jax.jit
@@ -411,17 +430,18 @@ def _small_program(e_ctx: jax.Array, e_new: jax.Array, mem: jax.Array,
                    ) -> tuple[jax.Array, jax.Array]:
   """Small work in one program: `rho` and whether a row was extreme."""
   queries = _queries(e_ctx, e_new)
-  products = _products(queries, mem)
-  return (_rho_raw(queries, mem, mask, lam, min_memories, products),
+  products = _products(queries, mem, "matmul")
+  return (_rho_raw(queries, mem, mask, lam, min_memories, "matmul",
+                   products),
           _extreme(products, mask))
 
 
-_products_jit = jax.jit(lambda e_ctx, e_new, mem: _products(
-    _queries(e_ctx, e_new), mem))
+_products_jit = jax.jit(lambda e_ctx, e_new, mem, form: _products(
+    _queries(e_ctx, e_new), mem, form), static_argnums=3)
 _extreme_jit = jax.jit(_extreme)
 _anchor_jit = jax.jit(lambda e_ctx, e_new, mem, mask, products: _anchor(
     _queries(e_ctx, e_new), mem, mask, products))
-_anchored_products_jit = jax.jit(_anchored_products)
+_anchored_products_jit = jax.jit(_anchored_products, static_argnums=2)
 _finish_jit = jax.jit(_finish)
 _no_memories_jit = jax.jit(_no_memories)
 _normalize_jit = jax.jit(l2_normalize)
@@ -429,14 +449,15 @@ _normalize_jit = jax.jit(l2_normalize)
 
 def _large_programs(e_ctx: jax.Array, e_new: jax.Array, mem: jax.Array,
                     mask: jax.Array, lam: jax.Array,
-                    min_memories: jax.Array) -> tuple[jax.Array, jax.Array]:
+                    min_memories: jax.Array, form: str
+                    ) -> tuple[jax.Array, jax.Array]:
   """Large work as separate programs: no lane reduction fused with an
   elementwise consumer (which slows XLA:CPU's reduction 3-5x)."""
-  products = _products_jit(e_ctx, e_new, mem)
+  products = _products_jit(e_ctx, e_new, mem, form)
   if mem.shape[1] == 0:
     return _no_memories_jit(products), _extreme_jit(products, mask)
   anchored = _anchor_jit(e_ctx, e_new, mem, mask, products)
-  v, dd = _anchored_products_jit(mem, anchored.deltas)
+  v, dd = _anchored_products_jit(mem, anchored.deltas, form)
   return (_finish_jit(products, anchored, v, dd, mask, lam, min_memories),
           _extreme_jit(products, mask))
 
@@ -531,7 +552,9 @@ def residual_cmi(e_ctx: jax.Array | np.ndarray, e_new: jax.Array | np.ndarray,
   e_ctx, e_new = _device_array(e_ctx), _device_array(e_new)
   mem, mem_mask = _device_array(mem, jnp.float32), _device_array(mem_mask)
   lam_, min_ = _traced_scalars(float(lam), int(min_memories))
-  run = _large_programs if _use_lanes(mem) else _small_program
+  form = _form(mem)
+  run = (_small_program if form == "matmul"
+         else functools.partial(_large_programs, form=form))
   rho, extreme = run(e_ctx, e_new, mem, mem_mask, lam_, min_)
   # A non-finite input makes its row's square non-finite, hence extreme:
   # only then are the inputs themselves examined (one more pass).

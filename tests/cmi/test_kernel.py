@@ -24,13 +24,16 @@ def _check(inputs, atol, **kwargs):
   return got
 
 
-@pytest.fixture(params=["matmul", "lanes"])
+@pytest.fixture(params=["matmul", "lanes", "blocks"])
 def kernel_path(request, monkeypatch):
-  """Runs a test on both of the kernel's CPU paths: one program of batched
+  """Runs a test on each of the kernel's CPU paths: one program of batched
   matmuls (small work) and separate programs of lane reductions (large
-  work), the latter forced on small shapes."""
-  if request.param == "lanes":
+  work), strided or blocked (many memories), the latter two forced on
+  small shapes."""
+  if request.param != "matmul":
     monkeypatch.setattr(kernel, "SMALL_WORK", 0)
+  if request.param == "blocks":
+    monkeypatch.setattr(kernel, "BLOCKED_MIN_N", 0)
   return request.param
 
 
@@ -45,11 +48,12 @@ def test_a_call_uses_one_form_for_all_its_products(kernel_path):
   # than it takes alone: the products of one call share one form.
   queries = jnp.zeros((4, 2, 16))
   mem = jnp.zeros((4, 3, 16))
+  form = kernel._form(mem)
   text = str(jax.make_jaxpr(lambda q, m: (
-      kernel._products(q, m),
-      kernel._anchored_products(m, q)))(queries, mem))
+      kernel._products(q, m, form),
+      kernel._anchored_products(m, q, form)))(queries, mem))
   matmuls = text.count("dot_general")
-  assert matmuls == (0 if kernel_path == "lanes" else 5)
+  assert matmuls == (5 if kernel_path == "matmul" else 0)
 
 
 def test_mixed_masks_in_one_batch_compile_once():
