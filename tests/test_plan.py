@@ -180,3 +180,9 @@ def test_run_layout_sessions_and_endpoint_rounds_of_the_paper_configs():
   tpu.qa.answer.concurrency = 2
   assert plan.endpoint_rounds(tpu, 5) == 3 + 1
   assert plan.endpoint_rounds(_config("tiny.py"), 5) == 0
+
+
+def test_host_chip_measures_this_machine():
+  chip = plan.host_chip("float32")
+  assert chip.peak_bf16_tflops > 0 and chip.hbm_gbytes_per_s > 0
+  assert chip.hbm_gib > 1 and chip.source.startswith("measured on this host")

@@ -62,10 +62,11 @@ GPU compiler here) or on this machine's measured ones (`host`).
 
 Checked on this CPU against `configs/default.py`'s measured GRPO step
 (`--topology=cpu:1 --preset=smollm2_135m --chip=host`; BENCHMARKS.md,
-"The paper's run, costed"): measured / estimated was 0.64 for the learner
-step (83.0 s against 130.3 s: the estimate counts whole rows, the demo
-runs each prompt once for its 2 rollouts), 1.24 for the rollout (44.2
-against 35.7 s) and 0.79 for the step, on 2 cores at load average 10-15.
+"The paper's run, costed"), 2 cores at load average 10-14: measured /
+estimated was 0.99-1.14 for the learner step counted as the demo runs it
+(each prompt once for its 2 rollouts; 0.56 for the whole rows the plan
+compiles), 2.6 for the rollout (its decoding steps run far below the
+copy bandwidth) and 1.3 for the step.
 """
 
 from __future__ import annotations
@@ -175,8 +176,9 @@ def _args(argv):
   parser.add_argument("--cmi_ops", type=int, default=10,
                       help="--run: scored memory operations per rollout")
   parser.add_argument("--chip", default="",
-                      help=f"roofline and fit against this chip ({sorted(CHIPS)}"
-                      ", or `host`: this machine, measured) instead of the "
+                      help="roofline and fit against this chip "
+                      f"({sorted(CHIPS)}, or `host`: this machine, "
+                      "measured) instead of the "
                       "topology's; e.g. --topology=v5p-16 --chip=h20: "
                       "8 devices priced as 8 H20s")
   return parser.parse_args(argv)
@@ -407,30 +409,38 @@ def run_sessions(config, sessions: int) -> tuple[int, str]:
 
 def host_chip(dtype: str) -> Chip:
   """This host's measured peak, as a `Chip`: the best of five 2048^2
-  `dtype` matmuls (FLOP/s) and of five elementwise passes over 256 MiB
-  (read + write bytes/s), on JAX's first CPU device."""
+  `dtype` matmuls (FLOP/s) and of five in-place elementwise passes over
+  256 MiB (read + write bytes/s), on JAX's first CPU device."""
   import jax
   import jax.numpy as jnp
   n, size = 2048, 2 ** 26
   a = jnp.ones((n, n), dtype)
+  matmul = jax.jit(jnp.dot)
+  # Donated: a fresh 256 MiB output per pass would time its page faults
+  # (2.3 GB/s here, against 26 GB/s in place).
+  scale = jax.jit(lambda v: v * 2.0, donate_argnums=0)
   x = jnp.ones((size,), jnp.float32)
-  matmul, scale = jax.jit(jnp.dot), jax.jit(lambda v: v * 2.0)
 
-  def best(fn, *args) -> float:
-    fn(*args).block_until_ready()
+  def best(fn) -> float:
+    fn().block_until_ready()
     times = []
     for _ in range(5):
       start = time.perf_counter()
-      fn(*args).block_until_ready()
+      fn().block_until_ready()
       times.append(time.perf_counter() - start)
     return min(times)
 
-  tflops = 2 * n ** 3 / best(matmul, a, a) / 1e12
-  gbytes = 2 * 4 * size / best(scale, x) / 1e9
+  def step():
+    nonlocal x
+    x = scale(x)
+    return x
+
+  tflops = 2 * n ** 3 / best(lambda: matmul(a, a)) / 1e12
+  gbytes = 2 * 4 * size / best(step) / 1e9
   return Chip(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB,
               round(tflops, 3), round(gbytes, 1),
               f"measured on this host ({os.cpu_count()} cores): {dtype} "
-              f"{n}^2 matmul, f32 copy of 256 MiB, best of 5")
+              f"{n}^2 matmul, f32 pass over 256 MiB in place, best of 5")
 
 
 def run_table(run: dict) -> str:
