@@ -170,12 +170,14 @@ def test_invalid_inputs_raise_clearly():
   inf[0, 0] = np.inf
   with pytest.raises(ValueError, match="e_new has NaN/inf"):
     residual_cmi(e_c, inf, mem, mask)
-  with pytest.raises(ValueError, match=r"e_new must be \[4, 8\]"):
-    residual_cmi(e_c, e_n[:, :4], mem, mask)
+  for _ in range(2):  # Shapes are checked once per shape: failures stay.
+    with pytest.raises(ValueError, match=r"e_new must be \[4, 8\]"):
+      residual_cmi(e_c, e_n[:, :4], mem, mask)
   with pytest.raises(ValueError, match=r"mem must be \[B, N, d\]"):
     residual_cmi(e_c, e_n, mem[0], mask)
-  with pytest.raises(ValueError, match="lam must be positive"):
-    residual_cmi(e_c, e_n, mem, mask, lam=0.0)
+  for lam in (0.0, np.float32(-1e-4), jnp.float32(0.0)):
+    with pytest.raises(ValueError, match="lam must be positive"):
+      residual_cmi(e_c, e_n, mem, mask, lam=lam)
 
 
 def test_gradients_match_finite_differences():
