@@ -18,7 +18,6 @@ import glob
 import json
 import os
 import re
-import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -60,21 +59,22 @@ class NotRun:
 
 
 _COVERED_BY_PARSING = "test_documented_configs_parse_and_validate"
+_TRAIN_CLI = "tests/test_train.py::test_cli_one_writer_sigint_resume_and_summary"
 COMMANDS: dict[str, str | NotRun] = {
     # --- README "## Training" and the configs' docstrings ----------------
     "python -m cmimem_jax.train --config=configs/tiny.py --workdir=*":
-        "tests/test_train.py::test_cli_demo_summary",
+        _TRAIN_CLI,
     "python -m cmimem_jax.train --config=configs/default.py --workdir=*":
         NotRun("one GRPO step of SmolLM2-135M takes 2-5 minutes on 2 cores "
                "(`make demo`'s GRPO stage)",
                (f"tests/test_documented_commands.py::{_COVERED_BY_PARSING}",
-                "tests/test_train.py::test_cli_demo_summary")),
+                _TRAIN_CLI)),
     "python -m cmimem_jax.train --config=configs/default.py --workdir=* "
     "--config.reward.alpha=0 --config.rollout.num_rollouts=* "
     "--config.mesh=fsdp:-1":
         NotRun("SmolLM2-135M GRPO with 8 rollouts: minutes per step",
                (f"tests/test_documented_commands.py::{_COVERED_BY_PARSING}",
-                "tests/test_train.py::test_cli_demo_summary")),
+                _TRAIN_CLI)),
     "python tools/reward_study.py --config=configs/reward_study.py "
     "--output=*":
         NotRun("about 1.5 minutes per LoCoMo conversation with MiniLM; the "
@@ -150,7 +150,7 @@ COMMANDS: dict[str, str | NotRun] = {
     "--config.dataset.name=locomo --config.dataset.path=* "
     "--config.method=rag --config.rag_top_k=5 "
     "--config.judge.kind=context_recall":
-        "tests/test_documented_commands.py::test_readme_evaluation_command",
+        "tests/test_documented_commands.py::test_eval_cpu_commands",
     "python -m cmimem_jax.evaluate --config=configs/eval_cpu.py --workdir=*":
         "tests/test_documented_commands.py::test_eval_cpu_commands",
     "python -m cmimem_jax.evaluate --config=configs/eval_cpu.py --workdir=* "
@@ -474,27 +474,12 @@ def test_make_sft_data_commands(tmp_path):
 
 
 @pytest.mark.slow
-def test_readme_evaluation_command(tmp_path):
-  """As a subprocess, on LoCoMo's first conversation, five questions."""
-  command = _changed(_written(
-      "python -m cmimem_jax.evaluate --config=configs/eval_cpu.py "
-      "--workdir=* --config.dataset.name=locomo --config.dataset.path=* "
-      "--config.method=rag --config.rag_top_k=5 "
-      "--config.judge.kind=context_recall"), {
-          "workdir": str(tmp_path), "config.dataset.dialogues": 1,
-          "config.limit": 5})
-  done = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                        timeout=300)
-  assert done.returncode == 0, done.stderr[-3000:]
-  results = json.loads((tmp_path / "results.json").read_text())
-  assert results["n"] == 5 and results["failures"] == 0
-
-
-@pytest.mark.slow
-def test_eval_cpu_commands(tmp_path):
-  """configs/eval_cpu.py's command and its three variants, parsed as the
-  entry point parses them and run in this process (one MiniLM load), a
-  few questions each; the LLM variant against a loopback endpoint."""
+def test_eval_cpu_commands(tmp_path, locomo_path):
+  """configs/eval_cpu.py's command and its three variants, and README's
+  evaluation command, parsed as the entry point parses them and run in
+  this process (one MiniLM load), a few questions each; the LLM variant
+  against a loopback endpoint. The entry point as a process is the
+  rehearsal's (its `evaluate` stage)."""
   from cmimem_jax.evaluation.run import evaluate
   base = "python -m cmimem_jax.evaluate --config=configs/eval_cpu.py"
   sizes = {"config.dataset.dialogues": 1, "config.limit": 3}
@@ -512,6 +497,10 @@ def test_eval_cpu_commands(tmp_path):
             "config.judge.endpoint.base_url": endpoint.base_url,
             "config.answer.endpoint.model": "fake",
             "config.judge.endpoint.model": "fake"},
+        f"{base} --workdir=* --config.dataset.name=locomo "
+        "--config.dataset.path=* --config.method=rag --config.rag_top_k=5 "
+        "--config.judge.kind=context_recall": {
+            "config.dataset.path": locomo_path},
     }
     for n, (entry, endpoints) in enumerate(variants.items()):
       config, workdir = _parse(_changed(_written(entry), {
@@ -520,6 +509,8 @@ def test_eval_cpu_commands(tmp_path):
       # The LongMemEval sample's first record has one question.
       assert 1 <= result["n"] <= 3 and not result["failures"], (entry,
                                                                  result)
+      with open(os.path.join(workdir, "results.json")) as f:
+        assert json.load(f)["n"] == result["n"]
 
 
 # Stand-in values for the paths and endpoints of commands that are parsed

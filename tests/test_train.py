@@ -191,28 +191,6 @@ def test_bad_training_config_is_reported_before_work(tmp_path):
   assert "must divide into rl.micro_batches=1 x 2 data shards" in message
 
 
-def test_cli_demo_summary(tmp_path):
-  result = subprocess.run(
-      [sys.executable, "-m", "cmimem_jax.train", "--config=configs/tiny.py",
-       f"--workdir={tmp_path}", "--config.rl.max_steps=1",
-       # conftest gives this process (and so the child) 8 CPU devices.
-       "--config.mesh=data:4,tensor:2",
-       "--config.tensorboard=False"],
-      cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
-  assert result.returncode == 0, result.stderr[-3000:]
-  out = result.stdout
-  assert "CMI-Mem training summary" in out
-  # Progress while it works, then the reward table and the memory view.
-  assert "loading the policy" in out and "step 1/1: reward" in out
-  assert "group spread" in out
-  assert "memory written before GRPO (the loaded model):" in out
-  assert "memory written after GRPO:" in out
-  assert "INFO" not in result.stderr  # Third-party logs are off by default.
-  summary = json.loads(result.stdout.strip().splitlines()[-1])
-  assert summary["steps"] == 1 and summary["resumed_from"] is None
-  assert (tmp_path / "demo_before.txt").exists()
-
-
 def test_crash_between_checkpoints_then_resume_with_a_snapshot_refresh(
     tmp_path):
   """Killed after step 3 with the last checkpoint at 2: the resumed run
@@ -341,12 +319,6 @@ def test_logprob_estimator_scores_with_the_frozen_reference(tmp_path):
       loop.reward.profile_lm.profile_gain(before_msgs, after_msgs), gain)
 
 
-def _train_command(workdir, *overrides):
-  return [sys.executable, "-m", "cmimem_jax.train", "--config=configs/tiny.py",
-          f"--workdir={workdir}", "--config.mesh=fsdp:2,tensor:4",
-          "--config.tensorboard=False", *overrides]
-
-
 def _wait_for(predicate, timeout, what):
   deadline = time.monotonic() + timeout
   while not predicate():
@@ -355,44 +327,61 @@ def _wait_for(predicate, timeout, what):
     time.sleep(0.2)
 
 
-def test_one_writer_per_workdir_and_sigint_saves_then_resumes_exactly(
-    tmp_path):
-  """Two trainers on one workdir: the second stops at once naming the
+def test_cli_one_writer_sigint_resume_and_summary(tmp_path):
+  """`python -m cmimem_jax.train --config=configs/tiny.py` as a user runs
+  it. Two trainers on one workdir: the second stops at once naming the
   first. Ctrl-C mid-run: the step in progress finishes, a checkpoint is
-  saved, the run exits 130 with one line (no traceback, no segfault); the
-  rerun resumes to the metrics of an uninterrupted run."""
-  overrides = ("--config.rl.max_steps=3", "--config.checkpoint.every_steps=3")
+  saved, the run exits 130 with one line (no traceback, no segfault). The
+  same command again resumes, prints progress and the summary (reward
+  table, one session's memory before and after GRPO, no library INFO
+  logs) and ends at the metrics of an uninterrupted run."""
   run = tmp_path / "run"
-  first = subprocess.Popen(_train_command(run, *overrides), cwd=ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+  command = [sys.executable, "-m", "cmimem_jax.train",
+             "--config=configs/tiny.py", f"--workdir={run}",
+             # conftest gives this process (and so the child) 8 CPU devices.
+             "--config.mesh=fsdp:2,tensor:4", "--config.tensorboard=False",
+             "--config.rl.max_steps=3", "--config.checkpoint.every_steps=3"]
+  first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
   try:
     _wait_for(lambda: (run / ".lock").exists(), 300, "the lock")
-    second = subprocess.run(_train_command(run, *overrides), cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
+    second = subprocess.run(command, cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
     assert second.returncode == 1
     message = second.stderr.strip().splitlines()[-1]
     assert "in use by train (pid" in message and "Traceback" not in (
         second.stderr)
     _wait_for(lambda: len(read_metrics(str(run))) >= 1, 600, "step 1")
     first.send_signal(signal.SIGINT)
-    _, stderr = first.communicate(timeout=600)
+    progress, stderr = first.communicate(timeout=600)
   finally:
     first.kill()
   assert first.returncode == 130, stderr[-3000:]
   assert "Traceback" not in stderr and "Segmentation" not in stderr
   assert stderr.strip().splitlines()[-1].startswith("stopped by SIGINT after "
                                                     "step ")
+  # Progress while it works.
+  assert "loading the policy" in progress and "step 1/3: reward" in progress
   stopped_at = len(read_metrics(str(run)))
   assert 1 <= stopped_at < 3
   assert sorted(os.listdir(run / "checkpoints")) == [str(stopped_at)]
   assert not (run / ".lock").exists()
-  # Resume in this process; then the same run without an interruption.
-  config = tiny_config(**{"rl.max_steps": 3, "checkpoint.every_steps": 3})
-  resumed = Trainer(config, str(run))
-  assert resumed.resumed_from == stopped_at
-  resumed.run()
-  straight = Trainer(config, str(tmp_path / "straight"))
+
+  resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                           timeout=900)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  out = resumed.stdout
+  assert f"(resumed from {stopped_at})" in out and "step 3/3: reward" in out
+  assert "CMI-Mem training summary" in out and "group spread" in out
+  assert "memory written before GRPO (the loaded model):" in out
+  assert "memory written after GRPO:" in out
+  assert "INFO" not in resumed.stderr  # Third-party logs are off by default.
+  summary = json.loads(out.strip().splitlines()[-1])
+  assert summary["steps"] == 3 and summary["resumed_from"] == stopped_at
+  assert (run / "demo_before.txt").exists()
+  straight = Trainer(tiny_config(**{"rl.max_steps": 3,
+                                    "checkpoint.every_steps": 3}),
+                     str(tmp_path / "straight"))
   straight.run()
   got, want = read_metrics(str(run)), read_metrics(str(tmp_path / "straight"))
   assert [m["step"] for m in got] == [1, 2, 3]
