@@ -17,7 +17,7 @@ OpenAI-compatible endpoint for the teacher, the QA synthesizer and the
 judge, whose formats a tiny model cannot write.
 
 Stages: standins -> serve -> synthesize_qa -> build_expert_states -> train
-(SIGTERM in the middle of step 2, then the same command resumes; the
+(SIGTERM in the middle of step 1, then the same command resumes; the
 metrics hold steps 1..N once each) -> evaluate (at a kept checkpoint step,
 the LLM judge; no transport failures) -> compare_paper. One line per stage,
 then a table; the exit status is non-zero and names the first stage that
@@ -52,7 +52,8 @@ PYTHON = sys.executable
 BUNDLED = os.path.join(REPO, "cmimem_jax", "data", "bundled",
                        "longmemeval_train_sample.json")
 DEVICES = 8  # The fake CPU devices the TPU config's mesh (fsdp:-1) spans.
-TRAIN_STEPS = 3
+# Step 1 is interrupted, the resumed run trains step 2.
+TRAIN_STEPS = 2
 KEPT_STEP = 2  # checkpoint.keep_period: the step evaluation selects.
 
 # Where each stage's command is written, as a user reads it:
@@ -252,6 +253,12 @@ def _metrics_steps(workdir: str) -> list[int]:
     return [json.loads(line)["step"] for line in f if '"step"' in line]
 
 
+def _training_started(log: str) -> bool:
+  """Whether `train` printed its "training: steps ..." line."""
+  with open(log) as f:
+    return any(line.startswith("training: steps") for line in f)
+
+
 class Rehearsal:
   """The stages over one workdir; `run()` returns the exit status."""
 
@@ -328,20 +335,25 @@ class Rehearsal:
     log = self._log("train")
     first = subprocess.Popen(command, cwd=REPO, env=self.env,
                              stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    # Into step 2: step 1's metrics are written, step 2 is running.
-    while not _metrics_steps(workdir):
+    # Into step 1: the loop has started (its first step compiles, samples
+    # and updates for tens of seconds); the stop lands inside that step.
+    while not _training_started(log):
       if first.poll() is not None:
         with open(log) as f:
-          raise StageFailed(f"exit {first.returncode} before step 1 ended: "
-                            f"{_tail(f.read())}")
+          raise StageFailed(f"exit {first.returncode} before training "
+                            f"started: {_tail(f.read())}")
       time.sleep(0.5)
     time.sleep(1.0)
     first.send_signal(signal.SIGTERM)
     code = first.wait(timeout=300)
-    stopped_at = _metrics_steps(workdir)
     if code != 128 + signal.SIGTERM:
       raise StageFailed(f"SIGTERM'd train exited {code}, not "
                         f"{128 + signal.SIGTERM}")
+    stopped_at = _metrics_steps(workdir)
+    if stopped_at != [1]:
+      raise StageFailed("SIGTERM during step 1 left metrics steps "
+                        f"{stopped_at}, not [1] (the step in progress "
+                        "finishes before the stop)")
     _run(command, self._log("train_resumed"), self.env)
     steps = _metrics_steps(workdir)
     if steps != list(range(1, TRAIN_STEPS + 1)):
