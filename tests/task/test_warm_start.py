@@ -138,9 +138,12 @@ def test_sft_then_constrained_grpo_from_its_checkpoint(tmp_path):
   with open(os.path.join(sft_dir, "config.json")) as f:
     assert json.load(f)["sft"]["max_steps"] == 4  # The resumed run's.
 
+  # Two of the sample's dialogues (3 sessions each): the policy builds its
+  # snapshots in one batch shape (all six dialogues: two shapes).
   config = tiny_config(tmp_path, **{
       "policy.init_checkpoint": sft_dir, "rollout.constrained_dsl": True,
-      "rollout.max_new_tokens": 40, "rl.max_steps": 1, "policy.seed": 5})
+      "rollout.max_new_tokens": 40, "rl.max_steps": 1, "policy.seed": 5,
+      "dataset.dialogues": 2})
   loop = Trainer(config, str(tmp_path / "rl"))
   with open(tmp_path / "rl" / "config.json") as f:
     saved_config = json.load(f)
