@@ -56,6 +56,20 @@ def test_a_call_uses_one_form_for_all_its_products(kernel_path):
   assert matmuls == (5 if kernel_path == "matmul" else 0)
 
 
+@pytest.mark.parametrize("form", ["matmul", "lanes", "blocks"])
+def test_a_query_equal_to_a_memory_has_bitwise_its_gram_row(form):
+  # The anchored solve of a repeated memory relies on it (module doc).
+  # At d = 384 (real embeddings); at d = 64 or 128 XLA's reductions of
+  # different shapes differ in their last bit (both lane forms).
+  rng = np.random.default_rng(8)
+  mem = jnp.asarray(rng.normal(size=(3, 5, 384)), jnp.float32)
+  queries = jnp.stack([jnp.asarray(rng.normal(size=(3, 384)), jnp.float32),
+                       mem[:, 3]], axis=1)
+  products = jax.jit(kernel._products, static_argnums=2)(queries, mem, form)
+  np.testing.assert_array_equal(products.alignment[:, 1], products.gram[:, 3])
+  np.testing.assert_array_equal(products.qq[:, 1, 1], products.gram[:, 3, 3])
+
+
 def test_mixed_masks_in_one_batch_compile_once():
   rng = np.random.default_rng(1)
   e_c, e_n, mem, _ = _inputs(rng, 12, 6, 32)
