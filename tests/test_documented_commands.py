@@ -474,7 +474,7 @@ def test_make_sft_data_commands(tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_cpu_commands(tmp_path, locomo_path):
+def test_eval_cpu_commands(tmp_path):
   """configs/eval_cpu.py's command and its three variants, and README's
   evaluation command, parsed as the entry point parses them and run in
   this process (one MiniLM load), a few questions each; the LLM variant
@@ -499,12 +499,18 @@ def test_eval_cpu_commands(tmp_path, locomo_path):
             "config.judge.endpoint.model": "fake"},
         f"{base} --workdir=* --config.dataset.name=locomo "
         "--config.dataset.path=* --config.method=rag --config.rag_top_k=5 "
-        "--config.judge.kind=context_recall": {
-            "config.dataset.path": locomo_path},
+        "--config.judge.kind=context_recall": {},
     }
+    runs = set()  # The parsed configs evaluated.
     for n, (entry, endpoints) in enumerate(variants.items()):
       config, workdir = _parse(_changed(_written(entry), {
           "workdir": str(tmp_path / str(n)), **sizes, **endpoints}))
+      parsed = config.to_json_best_effort(sort_keys=True)
+      if parsed in runs:
+        # README's command is the rag variant with eval_cpu.py's dataset
+        # and judge written out: the same config, so the same run.
+        continue
+      runs.add(parsed)
       result = evaluate(config, workdir)
       # The LongMemEval sample's first record has one question.
       assert 1 <= result["n"] <= 3 and not result["failures"], (entry,
