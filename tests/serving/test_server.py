@@ -499,7 +499,7 @@ def test_our_evaluation_against_our_server_with_the_cpu_defaults(
     evaluation = eval_module.get_config()
     evaluation.dataset.path = locomo_path
     evaluation.encoder.update({"kind": "hashing", "dim": 256})
-    evaluation.update({"limit": 4, "rag_top_k": 5})
+    evaluation.update({"limit": 2, "rag_top_k": 5})
     evaluation.judge.kind = "llm"
     evaluation.answer.kind = "endpoint"
     for section in (evaluation.answer.endpoint, evaluation.judge.endpoint):
@@ -507,13 +507,13 @@ def test_our_evaluation_against_our_server_with_the_cpu_defaults(
                       "max_retries": 0})
     result = evaluate(evaluation, str(tmp_path))
   calls = result["call_failures"]
-  assert result["n"] == 4
+  assert result["n"] == 2
   assert calls["answer"] == {"failed_attempts": {}, "failed_calls": {}}
   assert calls["judge"]["failed_attempts"] == {}
   assert set(calls["judge"]["failed_calls"]) <= {"unparseable_verdict"}
   records = [json.loads(line) for line in
              (tmp_path / "predictions.jsonl").read_text().splitlines()]
-  assert len(records) == 4 and all(r["prediction"] for r in records)
+  assert len(records) == 2 and all(r["prediction"] for r in records)
 
 
 def test_warm_up_compiles_without_generating_and_requests_never_compile(
