@@ -34,21 +34,9 @@ def test_smollm2_gguf_matches_transformers_gguf_loader():
 
 
 @pytest.mark.slow
-def test_gguf_tokenizer_and_chat_template():
-  from cmimem_jax.models.qwen3 import load_gguf_tokenizer
-  tokenizer = load_gguf_tokenizer(_smollm2_gguf())
-  text = tokenizer.apply_chat_template(
-      [{"role": "user", "content": "Hi there"}], tokenize=False,
-      add_generation_prompt=True)
-  assert "<|im_start|>user\nHi there<|im_end|>" in text
-  assert text.endswith("<|im_start|>assistant\n")
-  ids = tokenizer("Hello world")["input_ids"]
-  assert tokenizer.decode(ids).endswith("Hello world")
-
-
-@pytest.mark.slow
 def test_cached_gguf_tokenizer_equals_the_conversion(tmp_path, monkeypatch):
-  """The on-disk copy tokenizes, templates and decodes like a fresh
+  """The GGUF's tokenizer: SmolLM2's chat template and a decode round
+  trip; the on-disk copy tokenizes, templates and decodes like a fresh
   conversion; a damaged copy is converted again and replaced."""
   from cmimem_jax.models.qwen3.params import (convert_gguf_tokenizer,
                                               load_gguf_tokenizer)
@@ -56,6 +44,13 @@ def test_cached_gguf_tokenizer_equals_the_conversion(tmp_path, monkeypatch):
   path = _smollm2_gguf()
   fresh = convert_gguf_tokenizer(path)
   first = load_gguf_tokenizer(path)  # Converts and writes the copy.
+  text = first.apply_chat_template(
+      [{"role": "user", "content": "Hi there"}], tokenize=False,
+      add_generation_prompt=True)
+  assert "<|im_start|>user\nHi there<|im_end|>" in text
+  assert text.endswith("<|im_start|>assistant\n")
+  ids = first("Hello world")["input_ids"]
+  assert first.decode(ids).endswith("Hello world")
   (entry,) = os.listdir(tmp_path / "tokenizers")
   copy_dir = tmp_path / "tokenizers" / entry
   assert (copy_dir / "tokenizer.json").exists()
