@@ -12,10 +12,11 @@ stacked rows `[M; e_C; e_new]`: with `u = M e`, `w = G⁻¹ u`,
 
     r_a · r_b = e_a · e_b − u_a · w_b − λ w_a · w_b,
 
-so the kernel never forms a d-dimensional residual. The Gram is one
-elementwise multiply-and-reduce with `GRAM_LANES` partial sums per pair
-(XLA:CPU runs batched small matmuls at a few GFLOP/s; this form
-vectorises over the lanes and is 3-6x faster, and pairwise-summed), and
+so the kernel never forms a d-dimensional residual. On CPU, past small
+work, the Gram is one elementwise multiply-and-reduce with partial sums
+per pair over strided lanes, or over blocks of 64 elements from N = 16
+(`lane_products`; XLA:CPU runs batched small matmuls at a few GFLOP/s;
+this form is 3-6x faster, and pairwise-summed), and
 normalisation happens in N-space (`1/|x|` from the Gram's diagonal): no
 normalised copy of the memories is ever written.
 
@@ -196,7 +197,7 @@ def lane_products(a: jax.Array, b: jax.Array, blocked: bool = False
   `blocked` contiguous blocks of `GRAM_BLOCK` elements, each reduced and
   materialised before the blocks' sums are added (XLA merges the lanes'
   two reductions into one, which is 3x slower on a Gram of 20 rows; the
-  blocks are 1.5-2x slower on the K = 2 products and at N = 8)."""
+  blocks are up to 1.5x slower on the K = 2 products and at N = 8)."""
   batch, dim = a.shape[0], a.shape[-1]
   width = GRAM_BLOCK if blocked else GRAM_LANES
   pad = (-dim) % width
