@@ -26,6 +26,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from cmimem_jax.models.host_memory import release_free_heap
 from cmimem_jax.models.qwen3.model import Qwen3
 from cmimem_jax.parallel.mesh import BATCH_AXES, batch_divisor
 from cmimem_jax.parallel.partition import (QWEN3_RULES, Rules,
@@ -226,6 +227,9 @@ class _StepPrograms:
   opt_shardings: Any
   init_opt_state: Any   # jitted `optimizer.init`, sharded output.
   step: Any             # `jit_train_step`'s function.
+  # `step` compiled for each (start, group, batch and table shapes) seen.
+  compiled: dict[Any, jax.stages.Compiled] = dataclasses.field(
+      default_factory=dict)
 
 
 @functools.lru_cache(maxsize=4)
@@ -293,7 +297,7 @@ class Learner:
     self.min_budget = None if min_budget is None else jax.device_put(
         min_budget, NamedSharding(mesh, P()))
     self.skipped_updates = 0  # Non-finite steps not applied (this run).
-    self._step = programs.step
+    self._programs = programs
 
   @property
   def model(self) -> Qwen3:
@@ -341,18 +345,30 @@ class Learner:
   def compiled(self, batch: dict[str, np.ndarray]) -> jax.stages.Compiled:
     """The step compiled for `batch`'s shapes (its `memory_analysis()`:
     the temporaries one update needs beyond the resident state)."""
-    with jax.set_mesh(self.mesh):
-      return self._step.lower(*self._step_args(batch)).compile()
+    return self._compiled_step(self._step_args(batch))
+
+  def _compiled_step(self, args: tuple[Any, ...]) -> jax.stages.Compiled:
+    compiled = self._programs.compiled
+    leaves, treedef = jax.tree.flatten((args[4], args[6]))
+    key = (*args[:2], treedef, tuple((x.shape, x.dtype) for x in leaves))
+    if key not in compiled:
+      with jax.set_mesh(self.mesh):
+        compiled[key] = self._programs.step.lower(*args).compile()
+      # Compiling leaves hundreds of MB of freed small allocations on the
+      # heap; the step's own buffers come on top of what stays resident.
+      release_free_heap()
+    return compiled[key]
 
   def step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
     """One optimizer step on a host batch; returns float metrics."""
     start = time.perf_counter()
     args = self._step_args(batch)
     group = args[1]
+    step = self._compiled_step(args)
     # The mesh in context: the splash attention kernel shards itself over
     # it (`models.attention`).
     with jax.set_mesh(self.mesh):
-      self.params, self.opt_state, stats = self._step(*args)
+      self.params, self.opt_state, stats = step(*args[2:])
     metrics = {k: float(v) for k, v in jax.device_get(stats).items()}
     if metrics["update_skipped"]:
       self.skipped_updates += 1

@@ -4,8 +4,8 @@
 token-level automaton; here it becomes two dense tables that the jitted
 decode loop and the learner index without any host round trip:
 
-- `next_state [S, V] int32`: the state after emitting token v in state s,
-  -1 where v is not allowed;
+- `next_state [S, V]` int16 (int32 past 32,767 states): the state after
+  emitting token v in state s, -1 where v is not allowed;
 - `min_budget [S, V] int16`: the fewest tokens (v itself included) that
   finish a match after emitting v in state s — `_NEVER` where v is not
   allowed.
@@ -79,7 +79,8 @@ class TokenConstraint:
   """A regex as a token automaton with length budgets (see module doc).
 
   Attributes:
-    next_state: `[S, V]` int32 host table (-1: not allowed).
+    next_state: `[S, V]` int16 host table (int32 past 32,767 states;
+      -1: not allowed).
     min_budget: `[S, V]` int16 host table (`_NEVER`: not allowed).
     initial_state: the state before the first token.
     eos_id: the token that ends a complete match.
@@ -88,6 +89,11 @@ class TokenConstraint:
   min_budget: np.ndarray
   initial_state: int
   eos_id: int
+  # `device_tables` by (vocabulary, sharding): one copy of each table for
+  # the sampler and the learner (80 MB for the DSL over SmolLM2's
+  # vocabulary), not one each.
+  _placed: dict[Any, tuple[jax.Array, jax.Array]] = dataclasses.field(
+      default_factory=dict, init=False, repr=False)
 
   @classmethod
   def from_regex(cls, regex: str, tokenizer: Any) -> TokenConstraint:
@@ -108,7 +114,11 @@ class TokenConstraint:
           next_state[row[state], token] = row[target]
     for state in final:
       next_state[state, eos] = state
-    constraint = cls(next_state, _min_budgets(next_state, final, eos),
+    # int16 where the states fit: half the bytes of a vocabulary-wide
+    # table on the host and on every device.
+    small = len(states) <= np.iinfo(np.int16).max
+    constraint = cls(next_state.astype(np.int16) if small else next_state,
+                     _min_budgets(next_state, final, eos),
                      row[index.get_initial_state()], eos)
     # The index and the vocabulary's byte strings (~0.5 GB for a 49k-token
     # vocabulary) are freed; glibc would keep their pages.
@@ -135,6 +145,17 @@ class TokenConstraint:
     return (np.pad(self.next_state, [(0, 0), (0, extra)], constant_values=-1),
             np.pad(self.min_budget, [(0, 0), (0, extra)],
                    constant_values=_NEVER))
+
+  def device_tables(self, vocab_size: int, sharding: Any = None
+                    ) -> tuple[jax.Array, jax.Array]:
+    """`padded_tables` as device arrays placed with `sharding` (None: the
+    default device), placed once per (vocabulary, sharding) and shared by
+    every caller."""
+    key = (vocab_size, sharding)
+    if key not in self._placed:
+      self._placed[key] = tuple(jax.device_put(x, sharding)
+                                for x in self.padded_tables(vocab_size))
+    return self._placed[key]
 
   def states(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """`[B, R]` state before each generated token (-1 past a row's end).

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from cmimem_jax.models.host_memory import release_free_heap
 from cmimem_jax.models.qwen3.model import KVCache, Qwen3, positions_from_mask
 from cmimem_jax.sampling.constraint import TokenConstraint, constrain_logits
 
@@ -158,18 +159,20 @@ def sample_token(logits: jax.Array, key: jax.Array,
 # only shapes (batch, prompt bucket, the budget cap) and EOS / pad ids select
 # a compiled program.
 @functools.partial(nnx.jit, static_argnames=("max_new_tokens", "eos_ids",
-                                             "pad_id"),
+                                             "pad_id", "unrolled"),
                    donate_argnames=("prompt_cache", "cache"), graph=False)
 def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
               prompt_cache: KVCache, cache: KVCache, key: jax.Array,
               temperature: jax.Array, top_p: jax.Array, budget: jax.Array,
               stop_table: jax.Array,
               constraint: tuple[jax.Array, jax.Array, jax.Array] | None, *,
-              max_new_tokens: int, eos_ids: tuple[int, ...], pad_id: int):
+              max_new_tokens: int, eos_ids: tuple[int, ...], pad_id: int,
+              unrolled: bool):
   """P distinct prompts `tokens` `[P, Tp]` prefilled once into
   `prompt_cache` `[L, P, Tp, ...]`; B = P·N rows (row b continues prompt
   b // N) decode into their own `cache` `[L, B, max_new_tokens, ...]`,
-  attending to their prompt's shared keys first."""
+  attending to their prompt's shared keys first. `unrolled`: decode over
+  per-layer weight and cache copies (`Qwen3Config.decode_loop`)."""
   batch = cache.valid.shape[0]
   group = batch // tokens.shape[0]
   positions = positions_from_mask(mask)
@@ -183,7 +186,7 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
   # whole prompt would dominate prefill for large vocabularies).
   last_logits = jnp.repeat(model.logits(hidden[:, -1]), group, axis=0)
   layers, prefix = None, prompt_cache
-  if model.config.unrolled_decode:
+  if unrolled:
     layers = model.layer_params()
     cache, prefix = cache.per_layer(), prompt_cache.per_layer()
   next_position = jnp.repeat(positions[:, -1] + 1, group)
@@ -298,7 +301,20 @@ class Sampler:
     with its own key."""
     if max_rows_per_wave < 0:
       raise ValueError("max_rows_per_wave must be >= 0")
-    self.model = model
+    # Where the weights are moved to (None: they stay where they are).
+    self._local_sharding = None
+    if mesh is not None and mesh.devices.size > 1 and all(
+        d.platform == "cpu" for d in mesh.devices.flat):
+      # CPU devices share one host memory: decoding replicated over them
+      # would gather the weights, copy the layers and hold the KV cache
+      # once per device (6.6 GiB for SmolLM2-135M on fsdp:8 against 4 on
+      # one device). The mesh's first device decodes alone, from one
+      # gathered copy of the weights.
+      mesh = Mesh(mesh.devices.flat[:1].reshape((1,) * mesh.devices.ndim),
+                  mesh.axis_names)
+      self._local_sharding = NamedSharding(mesh, PartitionSpec())
+    self.model = self._local(model)
+    self.unrolled = model.config.unrolled_decode
     self.share_prompts = share_prompts
     self.max_rows_per_wave = max_rows_per_wave
     self._sharding = (None if mesh is None
@@ -322,19 +338,31 @@ class Sampler:
       if constraint.eos_id not in config.eos_ids[:1]:
         raise ValueError(f"the constraint ends with token {constraint.eos_id};"
                          f" the sampler's first EOS id is {config.eos_ids}")
-      next_state, min_budget = constraint.padded_tables(
-          model.config.vocab_size)
-      self._constraint_arrays = tuple(self._place(jnp.asarray(x)) for x in (
-          next_state, min_budget, np.int32(constraint.initial_state)))
+      # The learner of the same constraint reads the same device tables.
+      self._constraint_arrays = (
+          *constraint.device_tables(model.config.vocab_size, self._sharding),
+          self._place(jnp.asarray(np.int32(constraint.initial_state))))
     # The (prompt, rows') KV buffers of the most recently used shapes (LRU,
     # bounded: a server sees many batch / length combinations).
     self._caches: collections.OrderedDict[
         tuple[int, ...], tuple[KVCache, KVCache]] = collections.OrderedDict()
     self.max_cached_shapes = max_cached_shapes
+    self._compiled_shapes: set[tuple[int, ...]] = set()
 
   def set_model(self, model: Qwen3) -> None:
     """Samples from `model` from now on (same graph: no recompilation)."""
-    self.model = model
+    self.model = self._local(model)
+
+  def _local(self, model: Qwen3) -> Qwen3:
+    """`model` with its weights on the sampler's one device when it
+    decodes on one device of a CPU mesh (see `__init__`), else itself."""
+    state = nnx.state(model)
+    if self._local_sharding is None or all(
+        x.sharding.is_equivalent_to(self._local_sharding, x.ndim)
+        for x in jax.tree.leaves(state)):
+      return model
+    return nnx.merge(nnx.graphdef(model),
+                     jax.device_put(state, self._local_sharding))
 
   def release_caches(self) -> None:
     """Frees the KV buffers kept for reuse (the next call of each shape
@@ -448,10 +476,10 @@ class Sampler:
             place(temperature), place(top_p), place(budgets),
             self.stop_table, constraint)
 
-  @staticmethod
-  def _static_arguments(config: SamplingConfig) -> dict:
+  def _static_arguments(self, config: SamplingConfig) -> dict:
     return {"max_new_tokens": config.max_new_tokens,
-            "eos_ids": tuple(config.eos_ids), "pad_id": config.pad_id}
+            "eos_ids": tuple(config.eos_ids), "pad_id": config.pad_id,
+            "unrolled": self.unrolled}
 
   def _wave(self, prompts: Sequence[Sequence[int]], key: jax.Array,
             temperature: np.ndarray, top_p: np.ndarray, budgets: np.ndarray,
@@ -474,6 +502,11 @@ class Sampler:
           *self._arguments(tokens, mask, caches, key, temperature, top_p,
                            budgets, constraint),
           **self._static_arguments(config))
+    if shape not in self._compiled_shapes:
+      # The first call of a shape compiled it: XLA / LLVM's freed small
+      # allocations (hundreds of MB) would otherwise stay resident.
+      self._compiled_shapes.add(shape)
+      release_free_heap()
     self._caches[shape] = tuple(caches)
     while len(self._caches) > self.max_cached_shapes:
       self._caches.popitem(last=False)

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 from absl import logging
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cmimem_jax.cmi.logprob import PolicyProfileLM
 from cmimem_jax.cmi.reward import RewardComputer, RewardConfig
@@ -44,6 +45,7 @@ from cmimem_jax.memory.builder import EDIT_COUNTERS
 from cmimem_jax.memory.compression import memory_editors
 from cmimem_jax.memory.dsl import response_regex
 from cmimem_jax.models.attention import ATTENTION_IMPLS
+from cmimem_jax.models.host_memory import return_large_blocks
 from cmimem_jax.models.qwen3.params import save_hf
 from cmimem_jax.parallel import (initialize_distributed, make_mesh,
                                  parse_mesh_shape, resolve_mesh_shape)
@@ -232,6 +234,9 @@ class Trainer:
                                       "qa"))
     if config.rollout.engine == "vllm":
       import_vllm()  # Fails fast, with the install hint, where it is absent.
+    # Freed step / decode buffers leave the resident set at once (a JAX
+    # CPU device's memory is this process's heap).
+    return_large_blocks()
     initialize_distributed()
     self.config, self.workdir = config, workdir
     # One writer per workdir (process 0 writes for a multi-host job).
@@ -261,7 +266,9 @@ class Trainer:
                        if config.rollout.constrained_dsl else None)
     min_budget = None
     if self.constraint is not None:
-      min_budget = self.constraint.padded_tables(model.config.vocab_size)[1]
+      # The sampler's own device copy (`TokenConstraint.device_tables`).
+      min_budget = self.constraint.device_tables(
+          model.config.vocab_size, NamedSharding(self.mesh, P()))[1]
     self.learner = Learner(model, TrainStepConfig(
         loss=grpo_loss_config(rl),
         optimizer=OptimizerConfig(

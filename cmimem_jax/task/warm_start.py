@@ -42,6 +42,7 @@ from cmimem_jax.memory.builder import Responder, build_bank
 from cmimem_jax.memory.dsl import ParsedResponse, render, rendered_response
 from cmimem_jax.memory.extractive import ResponseFits, extractive_operations
 from cmimem_jax.memory.types import MemoryType, Operation
+from cmimem_jax.models.host_memory import return_large_blocks
 from cmimem_jax.parallel import batch_divisor, make_mesh
 from cmimem_jax.rl import (Checkpointer, Learner, MetricsWriter,
                            OptimizerConfig, SFTLossConfig, StopSignals,
@@ -229,6 +230,7 @@ def run_sft(config, workdir: str,
   if jax.process_index() == 0:
     write_config(config, workdir)
   sft = config.sft
+  return_large_blocks()  # As `loop.Trainer`: freed buffers leave the RSS.
   mesh = make_mesh(config.mesh)
   model, tokenizer = load_policy_and_tokenizer(config.policy)
   examples, too_long = _examples(sft.data, tokenizer, sft.max_prompt_tokens,

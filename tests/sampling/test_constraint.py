@@ -152,3 +152,25 @@ def test_free_text_calls_leave_the_grammar_and_take_their_budget(
   # A random model over 49k tokens almost never stops early.
   assert outputs[-1].tokens.shape[1] == 400 and outputs[-1].lengths[0] > 300
   assert not parse(free.text).valid
+
+
+def test_sampler_and_learner_share_one_device_copy_of_the_tables(
+    tokenizer, constraint):
+  """The decode loop and the learner index the same `[S, V]` tables: one
+  device copy of each (int16: 40 MB each for the DSL over SmolLM2's
+  vocabulary), not one per user."""
+  # Its own model: a learner takes over (donates) its weights.
+  model = Qwen3(preset("tiny", vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
+  assert constraint.next_state.dtype == np.int16
+  mesh = make_mesh("data:1", devices=jax.devices()[:1])
+  placed = constraint.device_tables(
+      model.config.vocab_size, jax.sharding.NamedSharding(
+          mesh, jax.sharding.PartitionSpec()))
+  eos = tokenizer.eos_token_id
+  engine = Sampler(model, SamplingConfig(eos_ids=(eos,), pad_id=eos),
+                   buckets=(16,), constraint=constraint, mesh=mesh)
+  learner = Learner(model, TrainStepConfig(
+      loss=GRPOLossConfig(), constraint_eos_id=eos), mesh,
+                    min_budget=placed[1])
+  assert engine._constraint_arrays[:2] == placed
+  assert learner.min_budget is placed[1]

@@ -98,6 +98,30 @@ def test_scanned_and_unrolled_decode_loops_agree():
   np.testing.assert_allclose(scan.logprobs, unrolled.logprobs, atol=1e-6)
 
 
+def test_a_sampler_over_several_cpu_devices_decodes_on_one():
+  """CPU devices share the host's memory: a sampler over a mesh of them
+  decodes on its first device from one gathered copy of the weights (not
+  the weights, layer copies and KV cache once per device), with the same
+  tokens as a one-device sampler."""
+  from cmimem_jax.parallel import make_mesh
+  from cmimem_jax.rl import GRPOLossConfig, Learner, TrainStepConfig
+  model = Qwen3(preset("tiny", vocab_size=64, max_position_embeddings=256),
+                rngs=nnx.Rngs(0))
+  config = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=5)
+  want = Sampler(model, config, buckets=(8,))(PROMPTS, jax.random.key(3))
+  mesh = make_mesh("fsdp:2", devices=jax.devices()[:2])
+  # The learner's fsdp-sharded weights, as a trainer hands them over.
+  sharded = Learner(model, TrainStepConfig(loss=GRPOLossConfig(kl_beta=0.0)),
+                    mesh).model
+  sampler = Sampler(sharded, config, buckets=(8,), mesh=mesh)
+  assert {len(x.sharding.device_set)
+          for x in jax.tree.leaves(nnx.state(sampler.model))} == {1}
+  assert sampler.unrolled == model.config.unrolled_decode
+  got = sampler(PROMPTS, jax.random.key(3))
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+
+
 def test_fixed_key_is_reproducible_and_keys_differ(model):
   sampler = Sampler(model, SamplingConfig(temperature=1.0, top_p=1.0,
                                           max_new_tokens=8), buckets=(8,))
