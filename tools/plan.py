@@ -37,10 +37,12 @@ With two or more `--batch` values, a summary line per program fits memory
 as affine in rows per chip and gives the most rows per chip that fit.
 `--topology=cpu:N` compiles for N fake CPU devices (memory layout differs
 from TPUs: a plan, not a guarantee); they share the host's memory, so
-each line also has `host_gib`, the N devices' totals together (the
-resident state once, sharded; whatever is replicated or all-gathered N
-times): the program's share of the process's peak RSS, which adds the
-interpreter, tokenizer and compiled code (~1-1.5 GiB for a training job).
+each line also has `host_gib`, the process's peak RSS while the program
+runs: the N devices' totals together (the resident state once, sharded;
+whatever is replicated or all-gathered N times) plus `HOST_RUNTIME_GIB`,
+what a training job holds outside JAX's arrays (interpreter, torch and
+the tokenizer, compiled code, the data; measured, BENCHMARKS.md "Train
+step memory").
 
 `--run` costs the config's whole GRPO run before it starts. It compiles
 the three programs at the run's rows per chip (`run_layout`: a
@@ -86,6 +88,10 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 GIB = 2.0 ** 30
+# A training job's resident set outside JAX's arrays at its train step:
+# one default.py GRPO step's peak RSS less its live arrays and the step's
+# temporaries (4.40 - 2.24 - 1.27 GiB, BENCHMARKS.md "Train step memory").
+HOST_RUNTIME_GIB = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -741,7 +747,8 @@ def main(argv=None) -> list[dict]:
         if "total_gib" in row:
           points.append((rows_per_chip, row["total_gib"]))
           if chip is None:
-            row["host_gib"] = round(row["total_gib"] * len(devices), 3)
+            row["host_gib"] = round(
+                row["total_gib"] * len(devices) + HOST_RUNTIME_GIB, 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
       if len(points) >= 2:
