@@ -1,8 +1,8 @@
-"""Where the project keeps what it can rebuild: converted tokenizers
-(`cache_dir()`) and JAX's persistent compilation cache, which every command
-(`serve`, `train`, `sft`, `evaluate`, `build_memory`) turns on through
-`config.run_command`, so a restart loads its compiled programs instead of
-compiling them again.
+"""Where the project keeps what it can rebuild: converted tokenizers and
+grammar-constraint tables (`cache_dir()`), and JAX's persistent compilation
+cache, which every command (`serve`, `train`, `sft`, `evaluate`,
+`build_memory`) turns on through `config.run_command`, so a restart loads
+its compiled programs instead of compiling them again.
 
 The compilation cache lives in `$JAX_COMPILATION_CACHE_DIR` if set, else
 `cache_dir()/jax`; `JAX_ENABLE_COMPILATION_CACHE=false` turns it off. Both

@@ -25,12 +25,19 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import tempfile
+import zipfile
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cmimem_jax.caches import cache_dir
 from cmimem_jax.models.host_memory import release_free_heap
 
 _NEVER = np.iinfo(np.int16).max
@@ -97,7 +104,24 @@ class TokenConstraint:
 
   @classmethod
   def from_regex(cls, regex: str, tokenizer: Any) -> TokenConstraint:
-    """Compiles `regex` over `tokenizer`'s vocabulary (outlines-core)."""
+    """`regex` over `tokenizer`'s vocabulary: compiled once (outlines-core,
+    ~10 s for the DSL over SmolLM2's 49k tokens) and kept under
+    `cache_dir()/constraints`, keyed by the regex, the vocabulary and the
+    outlines-core version; later calls, in any process, load the tables in
+    well under a second. An unwritable or damaged cache is logged and
+    bypassed, never fatal."""
+    path = os.path.join(cache_dir(), "constraints",
+                        f"{_cache_key(regex, tokenizer)}.npz")
+    cached = _load_tables(cls, path)
+    if cached is not None:
+      return cached
+    constraint = cls._compile(regex, tokenizer)
+    _save_tables(constraint, path)
+    return constraint
+
+  @classmethod
+  def _compile(cls, regex: str, tokenizer: Any) -> TokenConstraint:
+    """The automaton of `regex` (outlines-core) as dense tables."""
     from outlines_core import Index, Vocabulary
     eos = int(tokenizer.eos_token_id)
     index = Index(regex, Vocabulary(eos, token_bytes(tokenizer)))
@@ -175,6 +199,60 @@ class TokenConstraint:
                            f"({int(tokens[row, col])}) is outside the "
                            "constraint")
     return out
+
+
+# Bumped whenever the tables' layout or meaning changes.
+_CACHE_FORMAT = 1
+
+
+def _cache_key(regex: str, tokenizer: Any) -> str:
+  """What the tables depend on: the regex, every (token, id) pair, the
+  special ids (left out of the automaton), EOS, the table width and the
+  outlines-core version."""
+  digest = hashlib.sha256()
+  digest.update(json.dumps(
+      [_CACHE_FORMAT, importlib.metadata.version("outlines-core"), regex,
+       int(tokenizer.eos_token_id), sorted(tokenizer.all_special_ids),
+       len(tokenizer)]).encode())
+  digest.update(json.dumps(sorted(tokenizer.get_vocab().items()),
+                           ensure_ascii=False).encode())
+  return digest.hexdigest()[:24]
+
+
+def _load_tables(cls: type[TokenConstraint], path: str
+                 ) -> TokenConstraint | None:
+  """The constraint saved at `path`, or None (absent or unreadable)."""
+  if not os.path.exists(path):
+    return None
+  try:
+    with np.load(path) as saved:
+      return cls(saved["next_state"], saved["min_budget"],
+                 int(saved["initial_state"]), int(saved["eos_id"]))
+  except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
+    from absl import logging
+    logging.warning("constraint cache %s unreadable (%s); compiling the "
+                    "regex again", path, error)
+    return None
+
+
+def _save_tables(constraint: TokenConstraint, path: str) -> None:
+  """Writes the tables to `path` atomically (a reader sees all or none)."""
+  staging = ""
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, staging = tempfile.mkstemp(dir=os.path.dirname(path),
+                                   prefix=".tmp-", suffix=".npz")
+    with os.fdopen(fd, "wb") as f:
+      np.savez(f, next_state=constraint.next_state,
+               min_budget=constraint.min_budget,
+               initial_state=constraint.initial_state,
+               eos_id=constraint.eos_id)
+    os.replace(staging, path)
+  except OSError as error:  # A read-only cache directory.
+    from absl import logging
+    logging.warning("constraint not cached in %s: %s", path, error)
+    if staging and os.path.exists(staging):
+      os.remove(staging)
 
 
 def _min_budgets(next_state: np.ndarray, final: set[int], eos: int

@@ -36,6 +36,39 @@ def model(tokenizer):
   return Qwen3(preset("tiny", vocab_size=len(tokenizer)), rngs=nnx.Rngs(0))
 
 
+def test_a_compiled_constraint_is_kept_on_disk_and_loaded(tokenizer,
+                                                          tmp_path,
+                                                          monkeypatch):
+  """A later call (in any process sharing the cache directory) loads the
+  tables instead of compiling the regex; a damaged file is compiled
+  again."""
+  monkeypatch.setenv("CMIMEM_CACHE_DIR", str(tmp_path))
+  compiled = []
+  compile_regex = TokenConstraint._compile.__func__
+
+  def recording(cls, regex, tok):
+    compiled.append(regex)
+    return compile_regex(cls, regex, tok)
+
+  monkeypatch.setattr(TokenConstraint, "_compile", classmethod(recording))
+  regex = "(yes|no)"
+  first = TokenConstraint.from_regex(regex, tokenizer)
+  (saved,) = (tmp_path / "constraints").glob("*.npz")
+  loaded = TokenConstraint.from_regex(regex, tokenizer)
+  assert compiled == [regex]
+  saved.write_bytes(b"damaged")
+  recompiled = TokenConstraint.from_regex(regex, tokenizer)
+  assert compiled == [regex, regex]
+  for other in (loaded, recompiled):
+    np.testing.assert_array_equal(other.next_state, first.next_state)
+    np.testing.assert_array_equal(other.min_budget, first.min_budget)
+    assert (other.initial_state, other.eos_id) == (first.initial_state,
+                                                   first.eos_id)
+  # Another regex over the same vocabulary is another entry.
+  TokenConstraint.from_regex("(maybe)", tokenizer)
+  assert compiled == [regex, regex, "(maybe)"]
+
+
 def sampler(model, tokenizer, constraint):
   eos = tokenizer.eos_token_id
   return Sampler(model, SamplingConfig(eos_ids=(eos,), pad_id=eos),
