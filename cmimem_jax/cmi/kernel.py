@@ -177,7 +177,7 @@ def partial_correlation(dot: jax.Array, sq_a: jax.Array, sq_b: jax.Array
 
 GRAM_LANES = 8
 # Elements per block of the blocked lane reduction: 17 % faster than 8
-# blocks of d / 8 at d = 384 and 1024 (4 AVX-512 vectors per block).
+# blocks of d / 8 at d = 384 and 1024 (8 AVX2 vectors per block).
 GRAM_BLOCK = 64
 # A query at least this aligned with a stored memory is anchored at it.
 ANCHOR_COSINE = 0.5
