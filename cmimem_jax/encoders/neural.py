@@ -19,6 +19,7 @@ from flax import nnx
 from cmimem_jax.encoders.base import (DEFAULT_QUERY_INSTRUCTION, EncodeKind,
                                       instructed_query)
 from cmimem_jax.models.bert import load_bert, mean_pool
+from cmimem_jax.models.hf_tokenizer import load_hf_tokenizer
 from cmimem_jax.models.qwen3 import load_hf, positions_from_mask
 
 DEFAULT_LENGTH_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -133,11 +134,9 @@ class MiniLMEncoder(TransformerEncoder):
 
   def __init__(self, directory: str | None = None, batch_size: int = 32,
                max_length: int = 256):
-    from transformers import AutoTokenizer
     directory = directory or minilm_directory()
     model = load_bert(directory)
-    super().__init__(model, _bert_pooled,
-                     AutoTokenizer.from_pretrained(directory),
+    super().__init__(model, _bert_pooled, load_hf_tokenizer(directory),
                      dim=model.config.hidden_size, max_length=max_length,
                      batch_size=batch_size)
 
@@ -148,9 +147,8 @@ class Qwen3EmbeddingEncoder(TransformerEncoder):
   def __init__(self, directory: str,
                instruction: str = DEFAULT_QUERY_INSTRUCTION,
                batch_size: int = 16, max_length: int = 8192):
-    from transformers import AutoTokenizer
     model = load_hf(directory, lm_head=False)
-    tokenizer = AutoTokenizer.from_pretrained(directory, padding_side="left")
+    tokenizer = load_hf_tokenizer(directory, padding_side="left")
     super().__init__(model, _qwen3_pooled, tokenizer,
                      dim=model.config.hidden_size, max_length=max_length,
                      batch_size=batch_size,

@@ -22,6 +22,8 @@ import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 from flax import nnx
 
+from cmimem_jax.models.host_memory import release_free_heap
+
 
 class _ReadOnlyNotice(logging.Filter):
   """Drops orbax's warning that a directory opened read-only is read-only
@@ -86,7 +88,12 @@ class Checkpointer:
         loop=ocp.args.JsonSave(loop_state)))
 
   def wait(self) -> None:
+    """Blocks until every save is written, then hands the heap pages the
+    save's host copies left behind back to the OS (tensorstore writes them
+    in small blocks: 0.7 GiB stayed resident after saving SmolLM2-135M's
+    parameters and AdamW state)."""
     self.manager.wait_until_finished()
+    release_free_heap()
 
   def restore(self, params: Any, opt_state: Any, rng: jax.Array
               ) -> Restored | None:

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from cmimem_jax.client import CallResult, ChatModel, Messages
+from cmimem_jax.models.hf_tokenizer import load_hf_tokenizer
 from cmimem_jax.models.qwen3 import (Qwen3, Qwen3Config, load_gguf, load_hf,
                                      preset)
 from cmimem_jax.models.qwen3.params import (load_gguf_tokenizer,
@@ -33,8 +34,7 @@ def load_tokenizer(path: str) -> Any:
   path = path or smollm2_gguf_path()
   if path.endswith(".gguf"):
     return load_gguf_tokenizer(path)
-  from transformers import AutoTokenizer
-  return AutoTokenizer.from_pretrained(path)
+  return load_hf_tokenizer(path)
 
 
 def load_policy(section: Any, vocab_size: int) -> Qwen3:

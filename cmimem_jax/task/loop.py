@@ -45,7 +45,8 @@ from cmimem_jax.memory.builder import EDIT_COUNTERS
 from cmimem_jax.memory.compression import memory_editors
 from cmimem_jax.memory.dsl import response_regex
 from cmimem_jax.models.attention import ATTENTION_IMPLS
-from cmimem_jax.models.host_memory import return_large_blocks
+from cmimem_jax.models.host_memory import (release_free_heap,
+                                          return_large_blocks)
 from cmimem_jax.models.qwen3.params import save_hf
 from cmimem_jax.parallel import (initialize_distributed, make_mesh,
                                  parse_mesh_shape, resolve_mesh_shape)
@@ -406,6 +407,9 @@ class Trainer:
       self.loop["snapshot_epoch"] = epoch
       self.snapshots = self._snapshots(self.loop["snapshot_version"])
     start = time.perf_counter()
+    # An asynchronous checkpoint save that finished since the last step
+    # left its host copies' blocks in the heap (`Checkpointer.wait`).
+    release_free_heap()
     refs = self.curriculum.batch(step)
     episodes = [self.episode(r) for r in refs]
     top_k = self.config.rollout.retrieval_top_k

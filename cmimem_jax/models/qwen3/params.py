@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from cmimem_jax.caches import cache_dir
+from cmimem_jax.models.hf_tokenizer import load_hf_tokenizer
 from cmimem_jax.models.host_memory import release_free_heap
 from cmimem_jax.models.qwen3.model import Qwen3, Qwen3Config
 
@@ -355,6 +356,15 @@ def convert_gguf_tokenizer(path: str):
                                        gguf_file=os.path.basename(path))
 
 
+def gguf_tokenizer_cache(path: str) -> str:
+  """Where `load_gguf_tokenizer` keeps the converted tokenizer of a GGUF
+  file: keyed by the file's path, size and modification time."""
+  stat = os.stat(path)
+  key = hashlib.sha256(f"{os.path.realpath(path)}|{stat.st_size}|"
+                       f"{stat.st_mtime_ns}".encode()).hexdigest()[:20]
+  return os.path.join(cache_dir(), "tokenizers", key)
+
+
 def load_gguf_tokenizer(path: str):
   """The tokenizer (with chat template) stored in the same GGUF file.
 
@@ -364,14 +374,10 @@ def load_gguf_tokenizer(path: str):
   is logged and bypassed, never fatal.
   """
   from absl import logging
-  from transformers import AutoTokenizer
-  stat = os.stat(path)
-  key = hashlib.sha256(f"{os.path.realpath(path)}|{stat.st_size}|"
-                       f"{stat.st_mtime_ns}".encode()).hexdigest()[:20]
-  cached = os.path.join(cache_dir(), "tokenizers", key)
+  cached = gguf_tokenizer_cache(path)
   if os.path.isdir(cached):
     try:
-      return AutoTokenizer.from_pretrained(cached)
+      return load_hf_tokenizer(cached)
     except (OSError, ValueError) as error:
       logging.warning("tokenizer cache %s unreadable (%s); converting %s "
                       "again", cached, error, path)
