@@ -100,6 +100,32 @@ def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
                "--topology=v7x-8"])
 
 
+def test_plan_takes_the_architecture_of_a_checkpoint(tmp_path):
+  """--checkpoint: the rehearsal's stand-in policy (a random Qwen3 of its
+  own config.json) at the 4B config's dtype and remat, not the preset."""
+  import standins
+  from flax import nnx
+  from cmimem_jax.models.qwen3 import Qwen3Config
+  from cmimem_jax.models.qwen3.params import abstract_model
+  tokenizer = standins.make_tokenizer(str(tmp_path / "tokenizer"),
+                                      standins.corpus())
+  path = standins.make_policy_checkpoint(str(tmp_path / "policy"), tokenizer)
+  (row,) = plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py",
+                      "--topology=cpu:1", f"--checkpoint={path}",
+                      "--programs=train", "--length=64", "--completion=8"])
+  config = Qwen3Config.from_pretrained(path)
+  params = sum(x.size for x in jax.tree.leaves(
+      nnx.state(abstract_model(config), nnx.Param)))
+  assert row["layers"] == config.num_hidden_layers == 2
+  # Parameters, the reference and two AdamW moments in float32, plus one
+  # row of 64 tokens: the stand-in's ~2 MB (the row rounds GiB to 3
+  # decimals), not Qwen3-4B's 60 GiB.
+  assert abs(row["arguments_gib"] - 4 * 4 * params / plan.GIB) < 6e-4
+  with pytest.raises(SystemExit, match="give one"):
+    plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py", "--topology=cpu:1",
+               f"--checkpoint={path}", "--preset=smollm2_135m"])
+
+
 def test_plan_compiles_the_cmi_kernel_for_a_v5p_8():
   pytest.importorskip("libtpu", reason="the TPU extra is not installed")
   (row,) = plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py",

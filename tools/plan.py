@@ -161,6 +161,10 @@ def _args(argv):
   parser.add_argument("--preset", default="",
                       help="override policy.preset (another architecture "
                       "at the config's dtype / remat)")
+  parser.add_argument("--checkpoint", default="",
+                      help="the architecture of this HF checkpoint directory "
+                      "(its config.json) instead of the config's preset, "
+                      "e.g. the rehearsal's stand-in policy")
   parser.add_argument("--layers", type=int, default=0,
                       help="override the layer count (smoke tests)")
   parser.add_argument("--cmi_shape", default="20,1024",
@@ -559,7 +563,7 @@ def main(argv=None) -> list[dict]:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   from cmimem_jax.models.attention import resolve_impl
-  from cmimem_jax.models.qwen3 import KVCache, preset
+  from cmimem_jax.models.qwen3 import KVCache, Qwen3Config, preset
   from cmimem_jax.models.qwen3.params import abstract_model
   from cmimem_jax.parallel import (BATCH_AXES, optimizer_shardings,
                                    param_shardings)
@@ -588,7 +592,12 @@ def main(argv=None) -> list[dict]:
                    attention_impl=policy.get("attention_impl", "auto"))
   if args.layers:
     overrides["num_hidden_layers"] = args.layers
-  model_config = preset(args.preset or policy.preset, **overrides)
+  if args.checkpoint and args.preset:
+    raise SystemExit("--checkpoint and --preset both name the architecture: "
+                     "give one")
+  model_config = (Qwen3Config.from_pretrained(args.checkpoint, **overrides)
+                  if args.checkpoint else
+                  preset(args.preset or policy.preset, **overrides))
   graphdef, state = nnx.split(abstract_model(model_config), nnx.Param)
   params = nnx.to_pure_dict(state)
   p_shardings = param_shardings(params, mesh)

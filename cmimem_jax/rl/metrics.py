@@ -14,6 +14,27 @@ from absl import logging
 from cmimem_jax.data.files import read_jsonl, rewrite_jsonl
 
 
+def _summary_writer_class() -> type:
+  """tensorboardX's `SummaryWriter`, imported without torch.
+
+  Its writer module imports torch whenever it is installed (the test
+  extra installs it), only to accept torch tensors; we log Python floats.
+  That import costs 1.5-3 s and ~0.2 GiB in every train / sft process,
+  which run no torch model. While tensorboardX is imported, `import torch`
+  fails (a `None` entry in `sys.modules`), and tensorboardX takes its
+  no-torch path; a torch imported before is left alone.
+  """
+  if "torch" in sys.modules:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  sys.modules["torch"] = None  # type: ignore[assignment]
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter
+
+
 class MetricsWriter:
   """Appends step metrics to `workdir/metrics.jsonl` (and TensorBoard).
 
@@ -38,9 +59,8 @@ class MetricsWriter:
     self._file = open(self.path, "a", encoding="utf-8")
     self._tb = None
     if tensorboard:
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"),
-                               purge_step=start_step + 1)
+      self._tb = _summary_writer_class()(
+          os.path.join(workdir, "tensorboard"), purge_step=start_step + 1)
     if progress is None:
       progress = sys.stderr.isatty()
     self._bar = None

@@ -488,8 +488,8 @@ class Trainer:
   def run(self, stop: StopSignals | None = None,
           echo: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Trains to `total_steps`, checkpointing; returns this run's metrics.
-    `echo` (e.g. `print`) receives one line per step instead of the
-    progress bar.
+    `echo` (e.g. `print`) receives a line as the first step begins and
+    one per step, instead of the progress bar.
 
     SIGTERM / SIGINT (`stop`, or signals watched here) end the run at the
     next step boundary with a checkpoint and `config.Interrupted`.
@@ -504,6 +504,13 @@ class Trainer:
       stack.callback(writer.close)
       stack.callback(self.checkpointer.wait)
       stop = stop or stack.enter_context(StopSignals())
+      # Printed once the writer is open (tensorboardX's import takes
+      # seconds): a signal after this line stops the run at the end of
+      # the step it lands in (tools/rehearse.py relies on it).
+      if echo:
+        echo(f"training: steps {self.loop['step'] + 1}..{self.total_steps}"
+             + (f" (resumed from {self.resumed_from})" if self.resumed_from
+                else ""))
       while self.loop["step"] < self.total_steps:
         if stop.requested(self.loop["step"], self.checkpointer.manager):
           self.save_checkpoint()
@@ -556,9 +563,6 @@ def train(config, workdir: str,
            " ...")
       with open(before_path, "w") as f:
         f.write(loop.greedy_response(demo_ref))
-    echo(f"training: steps {loop.loop['step'] + 1}..{loop.total_steps}"
-         + (f" (resumed from {loop.resumed_from})" if loop.resumed_from
-            else ""))
     loop.run(stop, echo)
   echo("the trained policy writes memory for the same session ...")
   after = loop.greedy_response(demo_ref)

@@ -386,6 +386,46 @@ def test_a_finished_save_leaves_no_host_copies_resident(tmp_path):
   assert retained_mib("checkpointer") < 40
 
 
+_TENSORBOARD_SCRIPT = """
+import sys
+from cmimem_jax.rl.metrics import MetricsWriter
+writer = MetricsWriter(sys.argv[1], tensorboard=True, progress=False)
+writer.write(1, {"loss": 0.5, "reward_mean": 0.25, "sessions": ["a/0"]})
+writer.write(2, {"loss": 0.125, "reward_mean": 0.75, "valid": True})
+writer.close()
+print(sorted(m for m in sys.modules if m.split(".")[0] == "torch"))
+"""
+
+
+def _tensorboard_scalars(directory) -> dict[tuple[int, str], float]:
+  """(step, tag) -> value of every scalar in a TensorBoard events file
+  (TFRecords of `Event` protos)."""
+  from tensorboardX.proto import event_pb2
+  (path,) = directory.glob("events.out.tfevents.*")
+  data, scalars = path.read_bytes(), {}
+  offset = 0
+  while offset < len(data):
+    length = int.from_bytes(data[offset:offset + 8], "little")
+    event = event_pb2.Event.FromString(
+        data[offset + 12:offset + 12 + length])
+    offset += 12 + length + 4  # Length, its CRC, the record, its CRC.
+    for value in event.summary.value:
+      scalars[(event.step, value.tag)] = value.simple_value
+  return scalars
+
+
+def test_tensorboard_scalars_are_written_without_importing_torch(tmp_path):
+  # tensorboardX's writer imports torch when it is installed (as here);
+  # the training processes import it without (`_summary_writer_class`).
+  out = subprocess.run([sys.executable, "-c", _TENSORBOARD_SCRIPT,
+                        str(tmp_path)], check=True, capture_output=True,
+                       text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert out.stdout.strip().splitlines()[-1] == "[]"
+  assert _tensorboard_scalars(tmp_path / "tensorboard") == {
+      (1, "loss"): 0.5, (1, "reward_mean"): 0.25,
+      (2, "loss"): 0.125, (2, "reward_mean"): 0.75}
+
+
 def test_grpo_learns_to_emit_a_target_token():
   """Reward = fraction of completion tokens equal to TARGET: the mean
   reward must rise clearly within a few dozen steps."""
