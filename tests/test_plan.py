@@ -124,6 +124,9 @@ def test_plan_takes_the_architecture_of_a_checkpoint(tmp_path):
   with pytest.raises(SystemExit, match="give one"):
     plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py", "--topology=cpu:1",
                f"--checkpoint={path}", "--preset=smollm2_135m"])
+  with pytest.raises(SystemExit, match="no config.json there"):
+    plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py", "--topology=cpu:1",
+               f"--checkpoint={tmp_path / 'tokenizer'}"])
 
 
 def test_plan_compiles_the_cmi_kernel_for_a_v5p_8():

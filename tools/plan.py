@@ -595,6 +595,10 @@ def main(argv=None) -> list[dict]:
   if args.checkpoint and args.preset:
     raise SystemExit("--checkpoint and --preset both name the architecture: "
                      "give one")
+  if args.checkpoint and not os.path.isfile(
+      os.path.join(args.checkpoint, "config.json")):
+    raise SystemExit(f"--checkpoint={args.checkpoint}: no config.json there "
+                     "(an HF checkpoint directory)")
   model_config = (Qwen3Config.from_pretrained(args.checkpoint, **overrides)
                   if args.checkpoint else
                   preset(args.preset or policy.preset, **overrides))
