@@ -48,8 +48,8 @@ def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
   # --run: the programs at the run's rows per chip (2 training rows; 4
   # sessions a decoding wave), then the run's line.
   *rows, run = plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py",
-                          "--topology=v5p-8", "--layers=1", "--length=512",
-                          "--completion=128", "--run"])
+                          "--topology=v5p-8", "--layers=1", "--length=128",
+                          "--completion=32", "--run"])
   assert [(r["program"], r["rows_per_chip"]) for r in rows] == [
       ("train", 2), ("rollout_prefill", 4), ("rollout_decode", 4)]
   for row in rows:
@@ -82,12 +82,12 @@ def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
                row["model_bytes_gib"] * plan.GIB / 2765e9)
 
   # The programs' roofline seconds, times their calls in a step: 32
-  # micro-batches; 2 waves of a prefill and 128 decoded tokens.
+  # micro-batches; 2 waves of a prefill and 32 decoded tokens.
   assert per_step["train_s"] == pytest.approx(32 * roofline(train), rel=1e-2)
   assert per_step["rollout_prefill_s"] == pytest.approx(
       2 * roofline(prefill), rel=1e-2)
   assert per_step["rollout_decode_s"] == pytest.approx(
-      2 * 128 * roofline(decode), rel=1e-2)
+      2 * 32 * roofline(decode), rel=1e-2)
   # 256 rollouts x (answers, verdicts) x 3 s; the JAX sampler's log-probs.
   assert per_step["reward_endpoint_s"] == 256 * 2 * 3.0
   assert per_step["recompute_logprobs_s"] == 0

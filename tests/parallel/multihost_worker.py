@@ -11,7 +11,8 @@ import sys
 
 process_id, num_processes, port, local_devices = map(int, sys.argv[1:5])
 os.environ["XLA_FLAGS"] = (
-    f"--xla_force_host_platform_device_count={local_devices}")
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_force_host_platform_device_count={local_devices}").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

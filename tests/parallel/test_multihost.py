@@ -20,9 +20,9 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _run(process_id, processes, port, devices):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONPATH"] = os.path.abspath(ROOT)
+def _run(env, process_id, processes, port, devices):
+  # `own_devices_env`: the worker sets its own device count.
+  env = dict(env, PYTHONPATH=os.path.abspath(ROOT))
   return subprocess.Popen(
       [sys.executable, WORKER, str(process_id), str(processes), str(port),
        str(devices)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -36,10 +36,10 @@ def _result(proc):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_process():
+def test_two_processes_match_one_process(own_devices_env):
   port = _free_port()
-  hosts = [_run(i, 2, port, 2) for i in range(2)]
-  single = _result(_run(0, 1, 0, 4))
+  hosts = [_run(own_devices_env, i, 2, port, 2) for i in range(2)]
+  single = _result(_run(own_devices_env, 0, 1, 0, 4))
   results = [_result(p) for p in hosts]
   assert [r["devices"] for r in results] == [4, 4]
   for r in results:
