@@ -38,19 +38,19 @@ def test_cached_gguf_tokenizer_equals_the_conversion(tmp_path, monkeypatch):
   """The GGUF's tokenizer: SmolLM2's chat template and a decode round
   trip; the on-disk copy tokenizes, templates and decodes like a fresh
   conversion; a damaged copy is converted again and replaced."""
-  from cmimem_jax.models.qwen3.params import (convert_gguf_tokenizer,
-                                              load_gguf_tokenizer)
+  from cmimem_jax.models.qwen3.params import load_gguf_tokenizer
   monkeypatch.setenv("CMIMEM_CACHE_DIR", str(tmp_path))
   path = _smollm2_gguf()
-  fresh = convert_gguf_tokenizer(path)
-  first = load_gguf_tokenizer(path)  # Converts and writes the copy.
-  text = first.apply_chat_template(
+  # The first load converts (the conversion is what it returns) and writes
+  # the copy; the second reads the copy.
+  fresh = load_gguf_tokenizer(path)
+  text = fresh.apply_chat_template(
       [{"role": "user", "content": "Hi there"}], tokenize=False,
       add_generation_prompt=True)
   assert "<|im_start|>user\nHi there<|im_end|>" in text
   assert text.endswith("<|im_start|>assistant\n")
-  ids = first("Hello world")["input_ids"]
-  assert first.decode(ids).endswith("Hello world")
+  ids = fresh("Hello world")["input_ids"]
+  assert fresh.decode(ids).endswith("Hello world")
   (entry,) = os.listdir(tmp_path / "tokenizers")
   copy_dir = tmp_path / "tokenizers" / entry
   assert (copy_dir / "tokenizer.json").exists()
@@ -58,18 +58,17 @@ def test_cached_gguf_tokenizer_equals_the_conversion(tmp_path, monkeypatch):
   messages = [{"role": "system", "content": "Keep notes."},
               {"role": "user", "content": "Olá ñandú 🙂  tabs\tand <|im_end|>"}]
   text = "Grüße, 東京!\n\n  spaced  out <|im_start|>"
-  for tokenizer in (first, cached):
-    assert type(tokenizer) is type(fresh)
-    assert tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True) == fresh.apply_chat_template(
-            messages, add_generation_prompt=True)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    assert ids == fresh.encode(text, add_special_tokens=False)
-    assert tokenizer.decode(ids) == fresh.decode(ids)
-    assert len(tokenizer) == len(fresh)
-    assert tokenizer.all_special_tokens == fresh.all_special_tokens
-    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (
-        fresh.eos_token_id, fresh.pad_token_id)
+  assert type(cached) is type(fresh)
+  assert cached.apply_chat_template(
+      messages, add_generation_prompt=True) == fresh.apply_chat_template(
+          messages, add_generation_prompt=True)
+  ids = cached.encode(text, add_special_tokens=False)
+  assert ids == fresh.encode(text, add_special_tokens=False)
+  assert cached.decode(ids) == fresh.decode(ids)
+  assert len(cached) == len(fresh)
+  assert cached.all_special_tokens == fresh.all_special_tokens
+  assert (cached.eos_token_id, cached.pad_token_id) == (
+      fresh.eos_token_id, fresh.pad_token_id)
   (copy_dir / "tokenizer.json").write_text("{not json")
   repaired = load_gguf_tokenizer(path)
   assert repaired.encode(text) == fresh.encode(text)
