@@ -38,6 +38,11 @@ def test_plan_reports_memory_and_fit_for_a_sharded_mesh():
   # 1 layer of Qwen3-4B + embeddings, fp32 params and Adam moments, sharded
   # 8 ways: well under a GiB of arguments per device.
   assert compiled[0]["arguments_gib"] < 1.0
+  # The LM head is vocabulary-parallel: no device holds the whole [V, H]
+  # head in float32 (1.45 GiB), nor its gradient (3.0 GiB of temporaries
+  # when every device gathered it, 0.93 since).
+  head_gib = 151936 * 2560 * 4 / plan.GIB
+  assert compiled[0]["temporaries_gib"] < head_gib
   fits = summary["max_rows_per_chip"]
   assert fits["32GiB"] >= fits["16GiB"] >= 2
 

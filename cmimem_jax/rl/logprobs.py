@@ -101,7 +101,8 @@ def token_logprobs(model: Qwen3, tokens: jax.Array, mask: jax.Array, *,
 
   def one_chunk(args):
     h, target, state, budget = args
-    logits = model.logits(h) * scale
+    # The vocabulary-parallel head: rows gathered, the vocabulary split.
+    logits = model.logits(constrain(h, mesh, "head_hidden")) * scale
     if constraint is not None:
       # An unconstrained position (-1) allows every token.
       rows = jnp.where(state[..., None] >= 0,

@@ -32,7 +32,8 @@ def test_every_qwen3_parameter_has_a_rule_and_is_sharded():
   shardings = param_shardings(params, mesh)
   assert shardings["layers"]["q_proj"].spec == P(None, "fsdp", "tensor")
   assert shardings["layers"]["o_proj"].spec == P(None, "tensor", "fsdp")
-  assert shardings["embed"].spec == P("tensor", "fsdp")
+  # The vocabulary over tensor x fsdp: the LM head is vocabulary-parallel.
+  assert shardings["embed"].spec == P(("tensor", "fsdp"))
   assert shardings["final_norm"].spec == P()
   # A dimension the axis does not divide stays whole.
   assert spec_for("layers.q_proj", (2, 6, 10), [(r"q_proj", P(
