@@ -455,6 +455,7 @@ class Trainer:
                         for t, c in zip(terms, completions)])
     if isinstance(self.policy.engine, Sampler):
       self.policy.engine.release_caches()
+      self.policy.engine.release_weights()
     metrics = self.learner.step(rollout_batch(out, advantages, weights,
                                               self.constraint))
     self.policy.set_model(self.learner.model)

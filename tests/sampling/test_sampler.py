@@ -1,3 +1,5 @@
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,6 +122,19 @@ def test_a_sampler_over_several_cpu_devices_decodes_on_one():
   got = sampler(PROMPTS, jax.random.key(3))
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+  # A trainer frees that copy before its update and hands the new weights
+  # over after it.
+  copies = len(jax.tree.leaves(nnx.state(sampler.model)))
+  gc.collect()
+  live = len(jax.live_arrays())
+  sampler.release_weights()
+  gc.collect()
+  assert len(jax.live_arrays()) == live - copies
+  with pytest.raises(RuntimeError, match="set_model first"):
+    sampler(PROMPTS, jax.random.key(3))
+  sampler.set_model(sharded)
+  again = sampler(PROMPTS, jax.random.key(3))
+  np.testing.assert_array_equal(again.tokens, want.tokens)
 
 
 def test_fixed_key_is_reproducible_and_keys_differ(model):
