@@ -9,6 +9,7 @@ import sys
 import jax
 import pytest
 
+from cmimem_jax.models.qwen3 import preset
 from cmimem_jax.task.curriculum import Curriculum, SessionRef
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
@@ -41,7 +42,8 @@ def test_plan_reports_memory_and_fit_for_a_sharded_mesh():
   # The LM head is vocabulary-parallel: no device holds the whole [V, H]
   # head in float32 (1.45 GiB), nor its gradient (3.0 GiB of temporaries
   # when every device gathered it, 0.93 since).
-  head_gib = 151936 * 2560 * 4 / plan.GIB
+  qwen3_4b = preset("qwen3_4b")
+  head_gib = qwen3_4b.vocab_size * qwen3_4b.hidden_size * 4 / plan.GIB
   assert compiled[0]["temporaries_gib"] < head_gib
   fits = summary["max_rows_per_chip"]
   assert fits["32GiB"] >= fits["16GiB"] >= 2
