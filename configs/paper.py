@@ -172,9 +172,12 @@ def training() -> ml_collections.ConfigDict:
       # every eval_every steps (and at the last): eval/* in metrics.jsonl.
       "validation_sessions": 0, "eval_every": 0})
   # keep: the newest checkpoints; keep_period > 0 also keeps every step
-  # divisible by it (App. I evaluates steps 20 and 50).
+  # divisible by it (App. I evaluates steps 20 and 50). save_concurrent_gb:
+  # GB of arrays written at once (each costs as much host memory while
+  # it is written; a TPU VM has hundreds of GB).
   config.checkpoint = ml_collections.ConfigDict(
-      {"every_steps": 10, "keep": 3, "keep_period": 10, "async_save": True})
+      {"every_steps": 10, "keep": 3, "keep_period": 10, "async_save": True,
+       "save_concurrent_gb": 4.0})
   return config
 
 

@@ -379,6 +379,19 @@ class Sampler:
     bucket is 0.3 GiB)."""
     self._caches.clear()
 
+  def release_programs(self) -> None:
+    """Drops every compiled decoding program of this process (a later call
+    of a shape compiles it again, or loads it from JAX's persistent
+    compilation cache): a trainer calls it before its first step, whose
+    shape the start-up's calls (one prompt at a time: the initial policy's
+    demo, memory snapshots) never have. On CPU each program decodes over
+    per-layer weights, unrolled: ~0.1 GiB of machine code for SmolLM2-135M.
+    """
+    self.release_caches()
+    _generate.jitted_fn.clear_cache()
+    self._compiled_shapes.clear()
+    release_free_heap()
+
   def generate(self, prompts: Sequence[Sequence[int]], key: jax.Array,
                temperature: float | Sequence[float],
                top_p: float | Sequence[float], max_new_tokens: int,

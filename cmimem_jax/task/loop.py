@@ -505,6 +505,8 @@ class Trainer:
       stack.callback(writer.close)
       stack.callback(self.checkpointer.wait)
       stop = stop or stack.enter_context(StopSignals())
+      if isinstance(self.policy.engine, Sampler):
+        self.policy.engine.release_programs()
       # Printed once the writer is open (tensorboardX's import takes
       # seconds): a signal after this line stops the run at the end of
       # the step it lands in (tools/rehearse.py relies on it).

@@ -346,10 +346,12 @@ def test_no_checkpoint_restores_none(tmp_path):
       trainer.params, trainer.opt_state, jax.random.key(0)) is None
 
 
-# Saves ~400 MB of state asynchronously and reports how much more is
-# resident once the save has finished: waited for by `Checkpointer.wait`,
-# or (the control) by orbax's manager alone.
+# Saves ~400 MB of state asynchronously, writing at most argv[3] GB at
+# once, and reports how much more is resident once the save has finished
+# (waited for by `Checkpointer.wait`, or, the control, by orbax's manager
+# alone) and how far above the resident size before it the peak went.
 _SAVE_SCRIPT = """
+import resource
 import sys
 import jax
 from cmimem_jax.models.host_memory import return_large_blocks
@@ -363,27 +365,37 @@ params = {f"w{i}": jax.random.normal(k, (2_500_000,)) for i, k in enumerate(keys
 opt_state = jax.tree.map(lambda p: p * 0.5, params)
 jax.block_until_ready((params, opt_state))
 before = rss()
-checkpointer = Checkpointer(sys.argv[1])
+checkpointer = Checkpointer(sys.argv[1], save_concurrent_gb=float(sys.argv[3]))
 checkpointer.save(1, params, opt_state, jax.random.key(1), {"step": 1})
 if sys.argv[2] == "checkpointer":
   checkpointer.wait()
 else:
   checkpointer.manager.wait_until_finished()
-print(rss() - before)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(rss() - before, max(peak - before, 0.0))
 """
 
 
-def test_a_finished_save_leaves_no_host_copies_resident(tmp_path):
-  def retained_mib(wait: str) -> float:
+def test_a_save_is_bounded_and_leaves_no_host_copies_resident(tmp_path):
+  def save(wait: str, concurrent_gb: float) -> tuple[float, float]:
     out = subprocess.run(
-        [sys.executable, "-c", _SAVE_SCRIPT, str(tmp_path / wait), wait],
+        [sys.executable, "-c", _SAVE_SCRIPT, str(tmp_path / wait), wait,
+         str(concurrent_gb)],
         check=True, capture_output=True, text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    return float(out.stdout.strip().splitlines()[-1])
+    retained, peak = out.stdout.strip().splitlines()[-1].split()
+    return float(retained), float(peak)
   # Orbax's manager alone leaves a large share of the 400 MB resident (the
   # test can fail); `Checkpointer.wait` returns it.
-  assert retained_mib("manager") > 100
-  assert retained_mib("checkpointer") < 40
+  retained, unbounded_peak = save("manager", 96)
+  assert retained > 100
+  retained, bounded_peak = save("checkpointer", 0.04)
+  assert retained < 40
+  # All at once, tensorstore holds a copy of most of the state at the
+  # peak; 40 MB at a time, a fraction of it.
+  assert unbounded_peak > 200 and bounded_peak < unbounded_peak / 2
+  with pytest.raises(ValueError, match="save_concurrent_gb must be > 0"):
+    Checkpointer(str(tmp_path / "bad"), save_concurrent_gb=0)
 
 
 _TENSORBOARD_SCRIPT = """

@@ -8,8 +8,8 @@ from flax import nnx
 
 from cmimem_jax.models.qwen3 import Qwen3, positions_from_mask, preset
 from cmimem_jax.sampling import Sampler, SamplingConfig, left_pad
-from cmimem_jax.sampling.sampler import (nucleus_mask, sample_token,
-                                         shared_prompt_group)
+from cmimem_jax.sampling.sampler import (_generate, nucleus_mask,
+                                         sample_token, shared_prompt_group)
 
 PROMPTS = [[5, 17, 33, 2, 9], [44, 8], [3, 3, 3, 3, 3, 3, 3]]
 
@@ -215,6 +215,15 @@ def test_kv_buffers_are_bounded_least_recently_used_first(model):
   assert not sampler._caches
   after = sampler(PROMPTS[:2], jax.random.key(0))
   np.testing.assert_array_equal(before.tokens, after.tokens)
+  # A trainer drops the start-up's programs before its first step: the
+  # next call compiles again and samples the same tokens.
+  programs = _generate.jitted_fn._cache_size()
+  assert programs >= 2
+  sampler.release_programs()
+  assert _generate.jitted_fn._cache_size() == 0 and not sampler._caches
+  again = sampler(PROMPTS[:2], jax.random.key(0))
+  np.testing.assert_array_equal(before.tokens, again.tokens)
+  assert _generate.jitted_fn._cache_size() == 1
 
 
 def test_row_budgets_stop_each_row_at_its_own_length(model, compiles):
