@@ -29,6 +29,21 @@ from cmimem_jax.models.host_memory import release_free_heap
 DEFAULT_SAVE_CONCURRENT_GB = 4.0
 
 
+def _handlers(save_concurrent_gb: float
+              ) -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+  """The handler of each item and kind of access: the state saved with at
+  most `save_concurrent_gb` GB written at once, restored whole or (the
+  parameters alone) in part; the loop state as JSON."""
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  state = ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb)
+  registry.add("state", ocp.args.StandardSave, state)
+  registry.add("state", ocp.args.StandardRestore, state)
+  registry.add("state", ocp.args.PyTreeRestore, ocp.PyTreeCheckpointHandler)
+  registry.add("loop", ocp.args.JsonSave, ocp.JsonCheckpointHandler)
+  registry.add("loop", ocp.args.JsonRestore, ocp.JsonCheckpointHandler)
+  return registry
+
+
 class _ReadOnlyNotice(logging.Filter):
   """Drops orbax's warning that a directory opened read-only is read-only
   (every `read_only=True` Checkpointer asks for exactly that; `make demo`
@@ -80,10 +95,7 @@ class Checkpointer:
             save_interval_steps=0 if read_only else 1,
             create=not read_only, read_only=read_only,
             enable_async_checkpointing=async_save),
-        item_handlers={
-            "state": ocp.StandardCheckpointHandler(
-                save_concurrent_gb=save_concurrent_gb),
-            "loop": ocp.JsonCheckpointHandler()})
+        handler_registry=_handlers(save_concurrent_gb))
 
   @classmethod
   def for_workdir(cls, workdir: str, section: Any) -> Checkpointer:
