@@ -62,31 +62,6 @@ LONGMEMEVAL_SAMPLE = SHARED_DATA / "longmemeval" / "longmemeval_oracle_2q_sample
 LONGMEMEVAL_SPLITS = SHARED_DATA / "longmemeval" / "longmemeval_splits.json"
 
 
-# The longest test files, longest first (summed seconds of a fresh-clone
-# `.ci/run`, BENCHMARKS.md "Test suite time"). `make test` runs files on
-# two workers (`--dist loadfile`), each taking the next file when it is
-# done, so a long file collected last ran alone at the end: in collection
-# order (test_train.py, 198 s, is last) the two workers' measured file
-# times give 852 s until both finish, longest first 770 s.
-LONGEST_FILES_FIRST = (
-    "test_train.py", "rl/test_trainer.py", "serving/test_server.py",
-    "test_rehearse.py", "test_bench.py", "test_plan.py",
-    "models/test_gguf.py", "sampling/test_constraint.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-  """Starts the longest files first (a stable sort: every file's tests
-  keep their order, and every worker collects the same order)."""
-  tests = pathlib.Path(__file__).parent
-  missing = [name for name in LONGEST_FILES_FIRST
-             if not (tests / name).exists()]
-  if missing:
-    raise pytest.UsageError(f"LONGEST_FILES_FIRST names no file {missing}")
-  rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
-  items.sort(key=lambda item: rank.get(
-      item.path.relative_to(tests).as_posix(), len(rank)))
-
-
 def _require(path: pathlib.Path) -> str:
   if not path.exists():
     pytest.skip(f"{path} not found: the real benchmark data lives in the "

@@ -391,10 +391,10 @@ def test_a_save_is_bounded_and_leaves_no_host_copies_resident(tmp_path):
   # test can fail); `Checkpointer.wait` returns it.
   retained, unbounded_peak = save("manager", 96)
   assert retained > 100
-  retained, bounded_peak = save("checkpointer", 0.04)
+  retained, bounded_peak = save("checkpointer", 0.1)
   assert retained < 40
   # All at once, tensorstore holds a copy of most of the state at the
-  # peak; 40 MB at a time, a fraction of it.
+  # peak; 100 MB at a time, a fraction of it.
   assert unbounded_peak > 200 and bounded_peak < unbounded_peak / 2
   with pytest.raises(ValueError, match="save_concurrent_gb must be > 0"):
     Checkpointer(str(tmp_path / "bad"), save_concurrent_gb=0)
