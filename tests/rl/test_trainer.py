@@ -391,11 +391,12 @@ def test_a_save_is_bounded_and_leaves_no_host_copies_resident(tmp_path):
   # test can fail); `Checkpointer.wait` returns it.
   retained, unbounded_peak = save("manager", 96)
   assert retained > 100
-  retained, bounded_peak = save("checkpointer", 0.1)
+  retained, bounded_peak = save("checkpointer", 0.04)
   assert retained < 40
-  # All at once, tensorstore holds a copy of most of the state at the
-  # peak; 100 MB at a time, a fraction of it.
-  assert unbounded_peak > 200 and bounded_peak < unbounded_peak / 2
+  # 40 MB at a time, the peak stays near the bound (47 MiB measured); all
+  # at once, tensorstore held copies of much of the state (+211 to +359
+  # MiB on this machine, depending on the load).
+  assert bounded_peak < 100 and unbounded_peak > bounded_peak + 100
   with pytest.raises(ValueError, match="save_concurrent_gb must be > 0"):
     Checkpointer(str(tmp_path / "bad"), save_concurrent_gb=0)
 
