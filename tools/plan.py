@@ -570,7 +570,8 @@ def main(argv=None) -> list[dict]:
   from cmimem_jax.parallel.mesh import AXES, parse_mesh_shape
   from cmimem_jax.rl.losses import GRPOLossConfig
   from cmimem_jax.rl.trainer import (OptimizerConfig, TrainStepConfig,
-                                     jit_train_step, make_optimizer)
+                                     jit_train_step, make_optimizer,
+                                     step_compiler_options)
 
   devices, chip = _devices(args.topology)
   shape = parse_mesh_shape(args.mesh or f"fsdp:{len(devices)}")
@@ -735,7 +736,9 @@ def main(argv=None) -> list[dict]:
           impl = ("cached_xla" if name == "rollout_decode" else resolve_impl(
               model_config.attention_impl, length, model_config.compute_dtype))
           try:
-            measured = measure(lowered.compile(), chip, cost)
+            measured = measure(lowered.compile(
+                step_compiler_options(mesh) if name == "train" else None),
+                chip, cost)
           except jax.errors.JaxRuntimeError as e:
             # The TPU compiler refuses a program over its HBM.
             if "RESOURCE_EXHAUSTED" not in str(e):

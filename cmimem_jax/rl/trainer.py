@@ -217,6 +217,23 @@ def jit_train_step(graphdef: nnx.GraphDef, config: TrainStepConfig,
       static_argnums=(0, 1), donate_argnums=(2, 3))
 
 
+# XLA:CPU's default scheduler orders a program for concurrency; its
+# memory-optimised one packs the train step's temporaries tighter (one
+# GRPO step of configs/default.py: 1.27 -> 1.08 GiB, about 5 % slower).
+# Host memory is what runs out on CPU. Set per program, not process-wide
+# (the sampler and the CMI kernel keep the default).
+_CPU_STEP_COMPILER_OPTIONS = {
+    "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
+def step_compiler_options(mesh: Mesh) -> dict[str, str]:
+  """XLA options the train step is compiled with on `mesh`'s platform
+  (`Lowered.compile(...)`): none on TPU / GPU."""
+  if mesh.devices.flat[0].platform == "cpu":
+    return dict(_CPU_STEP_COMPILER_OPTIONS)
+  return {}
+
+
 @dataclasses.dataclass(frozen=True)
 class _StepPrograms:
   """What a learner compiles, shared by every learner of the same model
@@ -353,7 +370,8 @@ class Learner:
     key = (*args[:2], treedef, tuple((x.shape, x.dtype) for x in leaves))
     if key not in compiled:
       with jax.set_mesh(self.mesh):
-        compiled[key] = self._programs.step.lower(*args).compile()
+        compiled[key] = self._programs.step.lower(*args).compile(
+            step_compiler_options(self.mesh))
       # Compiling leaves hundreds of MB of freed small allocations on the
       # heap; the step's own buffers come on top of what stays resident.
       release_free_heap()

@@ -96,10 +96,11 @@ class TokenConstraint:
   min_budget: np.ndarray
   initial_state: int
   eos_id: int
-  # `device_tables` by (vocabulary, sharding): one copy of each table for
-  # the sampler and the learner (80 MB for the DSL over SmolLM2's
-  # vocabulary), not one each.
-  _placed: dict[Any, tuple[jax.Array, jax.Array]] = dataclasses.field(
+  # `device_table` by (table, vocabulary, sharding): one copy of each
+  # table for the sampler and the learner (40 MB each for the DSL over
+  # SmolLM2's vocabulary), not one per user, and only the tables a user
+  # reads (the learner reads no `next_state`).
+  _placed: dict[Any, jax.Array] = dataclasses.field(
       default_factory=dict, init=False, repr=False)
 
   @classmethod
@@ -155,31 +156,37 @@ class TokenConstraint:
     """Tokens in the shortest complete completion (EOS included)."""
     return int(self.min_budget[self.initial_state].min())
 
-  def padded_tables(self, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """The tables widened to a model's vocabulary (extra ids never
-    allowed).
+  def padded_table(self, name: str, vocab_size: int) -> np.ndarray:
+    """Table `name` ("next_state" or "min_budget") widened to a model's
+    vocabulary (extra ids never allowed).
 
     Raises:
       ValueError: if the model's vocabulary is smaller than the tokenizer's.
     """
-    extra = vocab_size - self.next_state.shape[1]
+    fill = {"next_state": -1, "min_budget": _NEVER}[name]
+    table = getattr(self, name)
+    extra = vocab_size - table.shape[1]
     if extra < 0:
       raise ValueError(f"model vocabulary {vocab_size} < tokenizer "
-                       f"vocabulary {self.next_state.shape[1]}")
-    return (np.pad(self.next_state, [(0, 0), (0, extra)], constant_values=-1),
-            np.pad(self.min_budget, [(0, 0), (0, extra)],
-                   constant_values=_NEVER))
+                       f"vocabulary {table.shape[1]}")
+    return np.pad(table, [(0, 0), (0, extra)], constant_values=fill)
+
+  def device_table(self, name: str, vocab_size: int, sharding: Any = None
+                   ) -> jax.Array:
+    """`padded_table(name, vocab_size)` as a device array placed with
+    `sharding` (None: the default device), placed once per (table,
+    vocabulary, sharding) and shared by every caller."""
+    key = (name, vocab_size, sharding)
+    if key not in self._placed:
+      self._placed[key] = jax.device_put(self.padded_table(name, vocab_size),
+                                         sharding)
+    return self._placed[key]
 
   def device_tables(self, vocab_size: int, sharding: Any = None
                     ) -> tuple[jax.Array, jax.Array]:
-    """`padded_tables` as device arrays placed with `sharding` (None: the
-    default device), placed once per (vocabulary, sharding) and shared by
-    every caller."""
-    key = (vocab_size, sharding)
-    if key not in self._placed:
-      self._placed[key] = tuple(jax.device_put(x, sharding)
-                                for x in self.padded_tables(vocab_size))
-    return self._placed[key]
+    """Both tables (`device_table`): `(next_state, min_budget)`."""
+    return (self.device_table("next_state", vocab_size, sharding),
+            self.device_table("min_budget", vocab_size, sharding))
 
   def states(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """`[B, R]` state before each generated token (-1 past a row's end).

@@ -267,9 +267,13 @@ class Trainer:
                        if config.rollout.constrained_dsl else None)
     min_budget = None
     if self.constraint is not None:
-      # The sampler's own device copy (`TokenConstraint.device_tables`).
-      min_budget = self.constraint.device_tables(
-          model.config.vocab_size, NamedSharding(self.mesh, P()))[1]
+      # The sampler's own device copy where it decodes on the whole mesh
+      # (`TokenConstraint.device_table`); never `next_state`, which only
+      # the sampler reads (on a CPU mesh it decodes on one device, and a
+      # copy replicated over the mesh would be 40 MB per device).
+      min_budget = self.constraint.device_table(
+          "min_budget", model.config.vocab_size,
+          NamedSharding(self.mesh, P()))
     self.learner = Learner(model, TrainStepConfig(
         loss=grpo_loss_config(rl),
         optimizer=OptimizerConfig(

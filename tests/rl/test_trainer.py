@@ -26,6 +26,7 @@ from cmimem_jax.rl import (Checkpointer, GRPOLossConfig, Learner,
                            group_advantages, read_metrics, rollout_batch,
                            shared_prompt_group, supervised_batch,
                            token_logprobs, trim_common_padding)
+from cmimem_jax.rl.trainer import step_compiler_options
 from cmimem_jax.sampling import Sampler, SamplingConfig
 
 VOCAB = 64
@@ -284,6 +285,20 @@ def test_learners_of_one_model_and_objective_share_their_compiled_step(
   third = Learner(other, config(), mesh).step(batch)
   assert compiles.count > before
   assert third["loss"] == pytest.approx(second["loss"], abs=1e-5)
+
+
+def test_the_cpu_step_is_compiled_for_memory():
+  """On CPU the step is scheduled for memory (host memory is what runs
+  out there): its temporaries are below those of XLA:CPU's default
+  schedule (1.27 -> 1.08 GiB for configs/default.py's step)."""
+  mesh, batch = one_device_mesh(), synthetic_batch(0)
+  learner = Learner(tiny_model(0), config(), mesh)
+  assert step_compiler_options(mesh)
+  args = learner._step_args(batch)
+  with jax.set_mesh(mesh):
+    default = learner._programs.step.lower(*args).compile()
+  temporaries = learner.compiled(batch).memory_analysis().temp_size_in_bytes
+  assert temporaries < default.memory_analysis().temp_size_in_bytes
 
 
 def test_batch_validation_messages():

@@ -124,7 +124,7 @@ def test_learner_logprobs_equal_the_constrained_samplers(model, tokenizer,
           eos_ids=(tokenizer.eos_token_id,), pad_id=tokenizer.eos_token_id))
   batch = rollout_batch(out, np.zeros(3), constraint=constraint)
   prompt = out.prompt_tokens.shape[1]
-  min_budget = constraint.padded_tables(model.config.vocab_size)[1]
+  min_budget = constraint.padded_table("min_budget", model.config.vocab_size)
   ours, _ = token_logprobs(
       model, batch["tokens"], batch["mask"], temperature=0.8, chunk=16,
       start=prompt, constraint=(min_budget, batch["constraint_states"],

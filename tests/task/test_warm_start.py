@@ -158,6 +158,11 @@ def test_sft_then_constrained_grpo_from_its_checkpoint(tmp_path):
   for ref, want in zip(jax.tree.leaves(jax.device_get(loop.learner.ref_params)),
                        jax.tree.leaves(jax.device_get(saved))):
     np.testing.assert_array_equal(ref, want)
+  # Over the mesh only the table the learner reads: the sampler decodes on
+  # one device with its own (each [S, V] table is 40 MB per device here).
+  over_mesh = [name for name, _, sharding in loop.constraint._placed
+               if len(sharding.device_set) == 8]
+  assert over_mesh == ["min_budget"]
   metrics = loop.step()
   assert metrics["validity_rate"] == 1.0
   assert metrics["logprob_gap"] < 1e-5  # Sampler and learner masks agree.
