@@ -34,7 +34,11 @@ def get_config():
   config.rollout.update({"num_rollouts": 2, "temperature": 0.8, "top_p": 0.9,
                          "max_new_tokens": 80, "max_prompt_tokens": 768,
                          "buckets": (768,),
-                         "constrained_dsl": True})
+                         "constrained_dsl": True,
+                         # One step under 4 GiB of RSS also when the step is
+                         # compiled in the process (4.03 -> 3.98 GiB), for
+                         # +1.5-4 s of a ~55 s step (BENCHMARKS.md).
+                         "release_programs_each_step": True})
   # logprob_chunk: the learner's LM head + log-softmax run over 16
   # completion columns at a time (`rows x 16 x 49152` f32, ~19 MB at 6
   # rows; small_repro.py's 12 rows inherit it). At 256 the

@@ -131,6 +131,12 @@ def training() -> ml_collections.ConfigDict:
       # JAX engine: decode at most this many rows at once, in whole groups
       # of num_rollouts (0 = the whole batch); bounds the KV cache.
       "max_rows_per_wave": 0,
+      # JAX engine: drop the decoding programs before every update and load
+      # them back from the persistent compilation cache in the next rollout
+      # (CPU: each is unrolled over the layers, ~0.1 GiB of machine code
+      # for SmolLM2-135M, while the update is the run's peak of host
+      # memory; costs a reload per step).
+      "release_programs_each_step": False,
       # Existing entries per type shown to the policy (Alg. 1 TopK). 0 hides
       # the bank from the policy; it is not the "RM" ablation of Table 3
       # (that is `memory.source_chunks=False`).

@@ -83,6 +83,8 @@ def _check_training(c) -> None:
   c.check("rollout.num_rollouts", lambda v: isinstance(v, int) and v >= 2,
           "an int >= 2 (GRPO compares rollouts within a group)")
   c.check("rollout.temperature", lambda v: v >= 0, ">= 0")
+  c.check("rollout.release_programs_each_step",
+          lambda v: isinstance(v, bool), "True or False")
   c.check("rollout.max_rows_per_wave", lambda v: isinstance(v, int) and v >= 0,
           "a non-negative integer")
   c.check("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]")
@@ -458,7 +460,10 @@ class Trainer:
     weights = np.stack([attribution_weights(t, self.policy.decode, c, width)
                         for t, c in zip(terms, completions)])
     if isinstance(self.policy.engine, Sampler):
-      self.policy.engine.release_caches()
+      if self.config.rollout.release_programs_each_step:
+        self.policy.engine.release_programs()
+      else:
+        self.policy.engine.release_caches()
       self.policy.engine.release_weights()
     metrics = self.learner.step(rollout_batch(out, advantages, weights,
                                               self.constraint))

@@ -17,6 +17,7 @@ from cmimem_jax.memory import MemoryBank, apply_response
 from cmimem_jax.memory.dsl import parse, response_regex
 from cmimem_jax.rl import Checkpointer, read_metrics
 from cmimem_jax.sampling import encode_chat, load_tokenizer
+from cmimem_jax.sampling import sampler as sampler_module
 from cmimem_jax.task.loop import Trainer
 from cmimem_jax.task import warm_start
 from cmimem_jax.task.warm_start import run_sft, summary_line, write_jsonl
@@ -143,7 +144,7 @@ def test_sft_then_constrained_grpo_from_its_checkpoint(tmp_path):
   config = tiny_config(tmp_path, **{
       "policy.init_checkpoint": sft_dir, "rollout.constrained_dsl": True,
       "rollout.max_new_tokens": 40, "rl.max_steps": 1, "policy.seed": 5,
-      "dataset.dialogues": 2})
+      "dataset.dialogues": 2, "rollout.release_programs_each_step": True})
   loop = Trainer(config, str(tmp_path / "rl"))
   with open(tmp_path / "rl" / "config.json") as f:
     saved_config = json.load(f)
@@ -163,7 +164,16 @@ def test_sft_then_constrained_grpo_from_its_checkpoint(tmp_path):
   over_mesh = [name for name, _, sharding in loop.constraint._placed
                if len(sharding.device_set) == 8]
   assert over_mesh == ["min_budget"]
+  # rollout.release_programs_each_step: the update runs with no decoding
+  # program resident (the next rollout loads them back).
+  programs_at_update = []
+  learner_step = loop.learner.step
+  loop.learner.step = lambda batch: (
+      programs_at_update.append(
+          sampler_module._generate.jitted_fn._cache_size()),
+      learner_step(batch))[1]
   metrics = loop.step()
+  assert programs_at_update == [0]
   assert metrics["validity_rate"] == 1.0
   assert metrics["logprob_gap"] < 1e-5  # Sampler and learner masks agree.
   assert metrics["response_tokens_mean"] <= 40
