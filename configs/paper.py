@@ -135,7 +135,7 @@ def training() -> ml_collections.ConfigDict:
       # them back from the persistent compilation cache in the next rollout
       # (CPU: each is unrolled over the layers, ~0.1 GiB of machine code
       # for SmolLM2-135M, while the update is the run's peak of host
-      # memory; costs a reload per step).
+      # memory; costs a reload per step, a compile with that cache off).
       "release_programs_each_step": False,
       # Existing entries per type shown to the policy (Alg. 1 TopK). 0 hides
       # the bank from the policy; it is not the "RM" ablation of Table 3

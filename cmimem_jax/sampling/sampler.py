@@ -384,8 +384,10 @@ class Sampler:
     of a shape compiles it again, or loads it from JAX's persistent
     compilation cache): a trainer calls it before its first step, whose
     shape the start-up's calls (one prompt at a time: the initial policy's
-    demo, memory snapshots) never have. On CPU each program decodes over
-    per-layer weights, unrolled: ~0.1 GiB of machine code for SmolLM2-135M.
+    demo, memory snapshots) never have, and with
+    `rollout.release_programs_each_step` before every update. On CPU each
+    program decodes over per-layer weights, unrolled: ~0.1 GiB of machine
+    code for SmolLM2-135M.
     """
     self.release_caches()
     _generate.jitted_fn.clear_cache()
