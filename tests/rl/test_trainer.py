@@ -403,9 +403,10 @@ def test_a_save_is_bounded_and_leaves_no_host_copies_resident(tmp_path):
     retained, peak = out.stdout.strip().splitlines()[-1].split()
     return float(retained), float(peak)
   # Orbax's manager alone leaves a large share of the 400 MB resident (the
-  # test can fail); `Checkpointer.wait` returns it.
+  # test can fail: 95 MB to well over 100 by the machine's load);
+  # `Checkpointer.wait` returns it.
   retained, unbounded_peak = save("manager", 96)
-  assert retained > 100
+  assert retained > 60
   retained, bounded_peak = save("checkpointer", 0.04)
   assert retained < 40
   # 40 MB at a time, the peak stays near the bound (47 MiB measured); all
