@@ -45,42 +45,6 @@ VALIDATION = {"rl.validation_sessions": 2, "rl.eval_every": 2}
 TINY_BUCKETS = tuple(tiny_config().rollout.buckets)
 
 
-def test_tiny_run_writes_checkpoints_and_resumes(tmp_path):
-  """Also the validation curve: two held-out sessions, never in a training
-  batch, scored every 2 steps and at the last."""
-  first = Trainer(tiny_config(**VALIDATION), str(tmp_path))
-  held_out = {(r.dialogue, r.session) for r in first.validation}
-  assert len(held_out) == 2
-  assert not held_out & {(r.dialogue, r.session)
-                         for step in range(first.curriculum.planned_steps)
-                         for r in first.curriculum.batch(step)}
-  assert first.resumed_from is None
-  history = first.run()
-  assert len(history) == 2
-  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
-  metrics = read_metrics(str(tmp_path))
-  assert [m["step"] for m in metrics] == [1, 2]
-  for m in metrics:
-    assert np.isfinite(m["loss"]) and "reward/cmi" in m and "kl" in m
-    assert len(m["sessions"]) == 3
-
-  resumed = Trainer(tiny_config(**VALIDATION, **{"rl.max_steps": 3}),
-                    str(tmp_path))
-  assert resumed.resumed_from == 2 and resumed.loop["step"] == 2
-  assert resumed.validation == first.validation
-  resumed.run()
-  metrics = read_metrics(str(tmp_path))
-  assert [m["step"] for m in metrics] == [1, 2, 3]
-  assert ["eval/reward" in m for m in metrics] == [False, True, True]
-  assert all(m["eval/sessions"] == 2 for m in metrics[1:])
-  names = {f"{resumed.dialogues[d].dialogue_id}/{t}" for d, t in held_out}
-  assert not names & {s for m in metrics for s in m["sessions"]}
-  # Same curriculum position: step 3 trains on the curriculum's batch 2.
-  want = [f"{resumed.dialogues[r.dialogue].dialogue_id}/{r.session}"
-          for r in resumed.curriculum.batch(2)]
-  assert metrics[2]["sessions"] == want
-
-
 RESPONSES = [
     "CORE:APPEND|Adopted a rescue greyhound named Biscuit; works from home "
     "on Mondays and Fridays.\nEPISODIC:ADD|2024-03-02: adopted Biscuit, who "
@@ -194,11 +158,19 @@ def test_bad_training_config_is_reported_before_work(tmp_path):
 def test_crash_between_checkpoints_then_resume_with_a_snapshot_refresh(
     tmp_path):
   """Killed after step 3 with the last checkpoint at 2: the resumed run
-  redoes step 3 from the same state, logs every step once, and refreshes
-  the snapshots at the epoch boundary."""
-  overrides = {"rl.max_steps": 4, "checkpoint.every_steps": 2,
+  redoes step 3 from the same state and curriculum position, logs every
+  step once, and refreshes the snapshots at the epoch boundary. Also the
+  validation curve: two held-out sessions, never in a training batch,
+  scored every 2 steps and at the last."""
+  overrides = {**VALIDATION, "rl.max_steps": 4, "checkpoint.every_steps": 2,
                "rl.sessions_per_batch": 5}
   first = Trainer(tiny_config(**overrides), str(tmp_path))
+  assert first.resumed_from is None
+  held_out = {(r.dialogue, r.session) for r in first.validation}
+  assert len(held_out) == 2
+  assert not held_out & {(r.dialogue, r.session)
+                         for step in range(first.curriculum.planned_steps)
+                         for r in first.curriculum.batch(step)}
   # Epoch 1 starts at step 4 (index 3).
   assert (first.curriculum.epoch(2), first.curriculum.epoch(3)) == (0, 1)
   step = first.step
@@ -213,18 +185,29 @@ def test_crash_between_checkpoints_then_resume_with_a_snapshot_refresh(
     first.run()
   crashed = read_metrics(str(tmp_path))
   assert [m["step"] for m in crashed] == [1, 2, 3]
+  for m in crashed:
+    assert np.isfinite(m["loss"]) and "reward/cmi" in m and "kl" in m
+    assert len(m["sessions"]) == 5
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
   assert [m["snapshot_version"] for m in crashed] == [0, 0, 0]
 
   resumed = Trainer(tiny_config(**overrides), str(tmp_path))
-  assert resumed.resumed_from == 2
+  assert resumed.resumed_from == 2 and resumed.loop["step"] == 2
+  assert resumed.validation == first.validation
   resumed.run()
   metrics = read_metrics(str(tmp_path))
   assert [m["step"] for m in metrics] == [1, 2, 3, 4]
   assert [m["snapshot_version"] for m in metrics] == [0, 0, 0, 1]
   assert sorted(os.listdir(tmp_path / "snapshots")) == ["v0", "v1"]
-  # Step 3 again, from checkpoint 2's weights, RNG and curriculum position.
-  assert metrics[2]["sessions"] == crashed[2]["sessions"]
+  assert ["eval/reward" in m for m in metrics] == [False, True, False, True]
+  assert all(m["eval/sessions"] == 2 for m in metrics[1::2])
+  names = {f"{resumed.dialogues[d].dialogue_id}/{t}" for d, t in held_out}
+  assert not names & {s for m in metrics for s in m["sessions"]}
+  # Step 3 again, from checkpoint 2's weights, RNG and curriculum position
+  # (the curriculum's batch 2).
+  assert metrics[2]["sessions"] == crashed[2]["sessions"] == [
+      f"{resumed.dialogues[r.dialogue].dialogue_id}/{r.session}"
+      for r in resumed.curriculum.batch(2)]
   for key in ("reward_mean", "validity_rate", "loss"):
     assert metrics[2][key] == pytest.approx(crashed[2][key], abs=1e-5), key
 

@@ -32,6 +32,8 @@ the same value for any anchor, with every anchored quantity taken from the
 Gram as a difference of entries. Every pair of rows is reduced by the same
 code, so a fragment equal to a stored memory gives bitwise-equal Gram rows
 and `δ`, `v` of exactly zero: its tiny residual keeps float32 accuracy.
+Only the anchored rows need the second d-space pass (`M δ`, `δ·δ`): an
+unanchored query's δ is e itself, whose products the first pass made.
 Inputs whose squares would overflow or underflow float32 (|x| beyond about
 1e18, or below 1e-19) are detected on the Gram's diagonal and recomputed
 from normalised rows.
@@ -233,16 +235,14 @@ class _Products:
 
 @dataclasses.dataclass(frozen=True)
 class _Anchored:
-  """Stage 2: the anchors and the anchored queries δ = e − c·m_j."""
-  deltas: jax.Array     # [B, 2, d]
+  """Stage 2: the anchors z = c·onehot(j) of the queries."""
   scale: jax.Array      # [B, 2] c (0: not anchored)
   index: jax.Array      # [B, 2] j
   valid: jax.Array      # [B, N] usable memory (in the mask, non-zero)
 
 
 jax.tree_util.register_dataclass(_Products, ["qq", "gram", "alignment"], [])
-jax.tree_util.register_dataclass(_Anchored, ["deltas", "scale", "index",
-                                             "valid"], [])
+jax.tree_util.register_dataclass(_Anchored, ["scale", "index", "valid"], [])
 
 
 # Up to this many memory elements (B·N·d) a batched matmul is faster than
@@ -293,8 +293,7 @@ def _inverse_norms(squares: jax.Array, valid: jax.Array) -> jax.Array:
   return jnp.where(valid, jax.lax.rsqrt(jnp.where(valid, squares, 1.0)), 0.0)
 
 
-def _anchor(queries: jax.Array, mem: jax.Array, mask: jax.Array,
-            products: _Products) -> _Anchored:
+def _anchor(mask: jax.Array, products: _Products) -> _Anchored:
   """Anchors each query at its most aligned memory when the cosine is at
   least `ANCHOR_COSINE`: z = c·onehot(j) with c = ±(the power of two
   nearest |e|/|m_j|), so c·m_j is exact and δ = e − c·m_j an exact
@@ -312,9 +311,15 @@ def _anchor(queries: jax.Array, mem: jax.Array, mask: jax.Array,
   scale = jnp.where((jnp.abs(best) >= ANCHOR_COSINE) & (anchors.sign != 0),
                     anchors.sign * _power_of_two(jnp.maximum(ratio, 1e-30)),
                     0.0)
-  anchor_rows = jnp.take_along_axis(mem, anchors.index[..., None], axis=1)
-  return _Anchored(queries - scale[..., None] * anchor_rows, scale,
-                   anchors.index, valid)
+  return _Anchored(scale, anchors.index, valid)
+
+
+def _deltas(queries: jax.Array, mem: jax.Array, scale: jax.Array,
+            index: jax.Array) -> jax.Array:
+  """The anchored queries δ = e − c·m_j `[B, 2, d]` (e itself where
+  c = 0)."""
+  anchor_rows = jnp.take_along_axis(mem, index[..., None], axis=1)
+  return queries - scale[..., None] * anchor_rows
 
 
 def _anchored_products(mem: jax.Array, deltas: jax.Array, form: str
@@ -395,8 +400,9 @@ def _rho_raw(queries: jax.Array, mem: jax.Array, mask: jax.Array,
     products = _products(queries, mem, form)
   if mem.shape[1] == 0:
     return _no_memories(products)
-  anchored = _anchor(queries, mem, mask, products)
-  v, dd = _anchored_products(mem, anchored.deltas, form)
+  anchored = _anchor(mask, products)
+  v, dd = _anchored_products(
+      mem, _deltas(queries, mem, anchored.scale, anchored.index), form)
   return _finish(products, anchored, v, dd, mask, lam, min_memories)
 
 
@@ -442,12 +448,59 @@ def _small_program(e_ctx: jax.Array, e_new: jax.Array, mem: jax.Array,
 _products_jit = jax.jit(lambda e_ctx, e_new, mem, form: _products(
     _queries(e_ctx, e_new), mem, form), static_argnums=3)
 _extreme_jit = jax.jit(_extreme)
-_anchor_jit = jax.jit(lambda e_ctx, e_new, mem, mask, products: _anchor(
-    _queries(e_ctx, e_new), mem, mask, products))
-_anchored_products_jit = jax.jit(_anchored_products, static_argnums=2)
+_anchor_jit = jax.jit(_anchor)
+_any_anchor_jit = jax.jit(lambda anchored: jnp.any(anchored.scale != 0, -1))
+_deltas_jit = jax.jit(lambda e_ctx, e_new, mem, anchored: _deltas(
+    _queries(e_ctx, e_new), mem, anchored.scale, anchored.index))
 _finish_jit = jax.jit(_finish)
 _no_memories_jit = jax.jit(_no_memories)
 _normalize_jit = jax.jit(l2_normalize)
+
+
+@jax.jit
+def _anchored_rows(e_ctx: jax.Array, e_new: jax.Array, mem: jax.Array,
+                   anchored: _Anchored, rows: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+  """The memories `[R, N, d]` and anchored queries δ `[R, 2, d]` of the
+  given rows `[R]`, materialised (gathered inside the products' program,
+  they slow its reduction 20x)."""
+  mem = mem[rows]
+  return mem, _deltas(_queries(e_ctx[rows], e_new[rows]), mem,
+                      anchored.scale[rows], anchored.index[rows])
+
+
+_anchored_products_jit = jax.jit(_anchored_products, static_argnums=2)
+
+
+@jax.jit
+def _unanchored_products(products: _Products
+                         ) -> tuple[jax.Array, jax.Array]:
+  """Stage 3 where no query is anchored (δ = e): stage 1's products."""
+  return jnp.swapaxes(products.alignment, -1, -2), products.qq
+
+
+@jax.jit
+def _merge_anchored(products: _Products, rows: jax.Array, v: jax.Array,
+                    dd: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`M δ` `[B, N, 2]` and `δ_a·δ_b` `[B, 2, 2]` of every row: an
+  unanchored row's δ is e, whose products stage 1 has already computed;
+  the given rows `[R]` take `v` `[R, N, 2]` and `dd` `[R, 2, 2]`."""
+  unanchored_v, unanchored_dd = _unanchored_products(products)
+  return unanchored_v.at[rows].set(v), unanchored_dd.at[rows].set(dd)
+
+
+# The anchored pass gathers its rows while they are at most this fraction
+# of the batch (padded) and on one device: XLA:CPU's gather of the
+# memories costs about as much as the pass itself (at B = 8192, N = 20,
+# d = 1024: +21 ms with an eighth of the rows anchored, +123 ms with half,
+# +67 ms for all rows ungathered; over 2 devices +250 ms with a fifth).
+ANCHORED_GATHER_MAX = 0.25
+
+
+def _row_bucket(count: int, batch: int) -> int:
+  """Rows of the anchored pass for `count` anchored rows: a power of two
+  (few compiled shapes), at most `batch`."""
+  return min(batch, max(8, 1 << (count - 1).bit_length()))
 
 
 def _large_programs(e_ctx: jax.Array, e_new: jax.Array, mem: jax.Array,
@@ -455,12 +508,29 @@ def _large_programs(e_ctx: jax.Array, e_new: jax.Array, mem: jax.Array,
                     min_memories: jax.Array, form: str
                     ) -> tuple[jax.Array, jax.Array]:
   """Large work as separate programs: no lane reduction fused with an
-  elementwise consumer (which slows XLA:CPU's reduction 3-5x)."""
+  elementwise consumer (which slows XLA:CPU's reduction 3-5x). The
+  d-space pass of stage 3 runs over the anchored rows only (gathered; all
+  rows once they are most of the batch): an unanchored query's δ is e
+  itself, so its products are stage 1's. Random vectors are never
+  anchored; a stored or nearly stored fragment is."""
   products = _products_jit(e_ctx, e_new, mem, form)
   if mem.shape[1] == 0:
     return _no_memories_jit(products), _extreme_jit(products, mask)
-  anchored = _anchor_jit(e_ctx, e_new, mem, mask, products)
-  v, dd = _anchored_products_jit(mem, anchored.deltas, form)
+  anchored = _anchor_jit(mask, products)
+  rows = np.flatnonzero(np.asarray(_any_anchor_jit(anchored)))
+  batch = mem.shape[0]
+  if not len(rows):
+    v, dd = _unanchored_products(products)
+  elif (_row_bucket(len(rows), batch) > batch * ANCHORED_GATHER_MAX
+        or len(mem.sharding.device_set) > 1):  # A gather across devices.
+    v, dd = _anchored_products_jit(
+        mem, _deltas_jit(e_ctx, e_new, mem, anchored), form)
+  else:
+    # Padding repeats a row: the same values are written twice.
+    padded = np.full(_row_bucket(len(rows), batch), rows[0])
+    padded[:len(rows)] = rows
+    v, dd = _merge_anchored(products, padded, *_anchored_products_jit(
+        *_anchored_rows(e_ctx, e_new, mem, anchored, padded), form))
   return (_finish_jit(products, anchored, v, dd, mask, lam, min_memories),
           _extreme_jit(products, mask))
 

@@ -162,6 +162,30 @@ def test_degenerate_inputs(kernel_path):
   np.testing.assert_allclose(residual_cmi(e_c, e_c, mem, ~full), 1, atol=1e-6)
 
 
+@pytest.mark.parametrize("anchored_rows", [0, 5, 40])
+def test_some_rows_anchored(anchored_rows, kernel_path, monkeypatch):
+  # The large path runs the anchored d-space pass over the anchored rows
+  # only: gathered while few (5 of 64), over the whole batch when many
+  # (40); the other rows take stage 1's products.
+  gathered = []
+  gather = kernel._anchored_rows
+  monkeypatch.setattr(kernel, "_anchored_rows",
+                      lambda *args: gathered.append(args) or gather(*args))
+  rng = np.random.default_rng(5)
+  e_c, e_n, mem, mask = _inputs(rng, 64, 8, 64)
+  mask[:, :3] = True
+  rows = rng.permutation(64)[:anchored_rows]
+  e_n[rows[::2]] = mem[rows[::2], 1]  # Stored: a residual of ~λ.
+  e_c[rows[1::2]] = mem[rows[1::2], 2] + 1e-3 * rng.normal(size=(
+      len(rows[1::2]), 64)).astype(np.float32)  # Nearly stored.
+  got = _check((e_c, e_n, mem, mask), atol=1e-5)
+  assert bool(gathered) == (kernel_path != "matmul" and anchored_rows == 5)
+  # A row's value does not depend on which rows share its batch.
+  alone = np.asarray(residual_cmi(e_c[rows], e_n[rows], mem[rows],
+                                  mask[rows]))
+  np.testing.assert_allclose(got[rows], alone, atol=1e-6)
+
+
 def test_extreme_but_finite_inputs_stay_finite(kernel_path):
   del kernel_path
   rng = np.random.default_rng(4)
