@@ -509,9 +509,9 @@ def _large_programs(e_ctx: jax.Array, e_new: jax.Array, mem: jax.Array,
                     ) -> tuple[jax.Array, jax.Array]:
   """Large work as separate programs: no lane reduction fused with an
   elementwise consumer (which slows XLA:CPU's reduction 3-5x). The
-  d-space pass of stage 3 runs over the anchored rows only (gathered; all
-  rows once they are most of the batch): an unanchored query's δ is e
-  itself, so its products are stage 1's. Random vectors are never
+  d-space pass of stage 3 runs over the anchored rows only (gathered while
+  few and on one device, else over the whole batch): an unanchored
+  query's δ is e itself, so its products are stage 1's. Random vectors are never
   anchored; a stored or nearly stored fragment is."""
   products = _products_jit(e_ctx, e_new, mem, form)
   if mem.shape[1] == 0:

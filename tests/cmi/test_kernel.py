@@ -249,3 +249,24 @@ def test_vmap_and_jit_compose():
   jitted = jax.jit(residual_cmi)(*(s[0] for s in stacks))
   np.testing.assert_allclose(jitted, residual_cmi(*(s[0] for s in stacks)),
                              atol=1e-6)
+
+
+def test_the_readme_example_runs(capsys):
+  """README's "The CMI kernel" block, run as written."""
+  import pathlib
+  import re
+  readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+  section = readme.split("### The CMI kernel", 1)[1]
+  (block,) = re.findall(r"```python\n(.*?)```", section.split("\n### ", 1)[0],
+                        re.S)
+  scope = {}
+  exec(block, scope)  # noqa: S102
+  rho = np.asarray(scope["rho"])
+  assert rho.shape == (4,) and rho.dtype == np.float32
+  assert capsys.readouterr().out.startswith("[")  # It prints rho.
+  e_ctx, e_new = scope["e_ctx"], scope["e_new"]
+  cos = np.sum(e_ctx * e_new, 1) / np.linalg.norm(e_ctx, axis=1) / (
+      np.linalg.norm(e_new, axis=1))
+  np.testing.assert_allclose(rho[:2], cos[:2], atol=1e-6)  # < 2 memories.
+  np.testing.assert_allclose(rho, residual_cmi_reference(
+      e_ctx, e_new, scope["mem"], scope["mem_mask"]), atol=1e-5)
