@@ -159,3 +159,19 @@ def test_the_calibration_refuses_held_out_conversations(tmp_path):
   with pytest.raises(ValueError, match="training conversations"):
     skip_calibration.run(study_config.get_config(), str(tmp_path), "0:5",
                          "5:8")
+
+
+def test_poolings_of_the_statements_rho_are_compared_by_auc():
+  # Paraphrased storage covering all but one novel statement: the largest
+  # ρ cannot tell it from nothing stored; the fraction of novel statements
+  # can.
+  records = [{"class": label, "statement_rho": rho} for label, rho in (
+      ("not_stored", [0.9, 0.8, 0.7]), ("not_stored", [0.9, 0.6, 0.5]),
+      ("verbatim", [0.0, 0.0, 0.0]), ("verbatim", []),
+      ("paraphrased", [0.9, 0.1, 0.1]), ("paraphrased", [0.95, 0.2, 0.0]))]
+  aucs = skip_calibration.pooling_aucs(records, threshold=0.5)
+  assert aucs["largest"] == {"verbatim": 1.0, "paraphrased": 0.25}
+  assert aucs["fraction novel"] == {"verbatim": 1.0, "paraphrased": 1.0}
+  assert aucs["mean"]["paraphrased"] == 1.0
+  pool = skip_calibration.poolings(0.5)
+  assert all(f(np.zeros(0)) == 0.0 for f in pool.values())

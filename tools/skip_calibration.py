@@ -6,8 +6,9 @@
 A semantic SKIP is justified when what the user states in the session is
 already in the semantic store (App. B); the reward judges it by ρ, the
 largest clamped CMI of a user statement against that store
-(`RewardComputer._semantic_skip_rho`, logged as `semantic_skip_rho`), and
-pays the bonus below `reward.semantic_skip_threshold`. For every session t
+(`RewardComputer._semantic_skip_statement_rhos`, logged as
+`semantic_skip_rho`), and pays the bonus below
+`reward.semantic_skip_threshold`. For every session t
 with user statements of the chosen conversations, the store before it is
 the annotation builder's `M_{t-1}` (LoCoMo's observations of sessions
 < t, `task.build_memory`), and three cases of one SKIP are scored:
@@ -29,8 +30,15 @@ threshold, never used to choose it. Only LoCoMo training conversations
 belong here (the small reproduction trains on 0-6, validates on 7 and
 evaluates on 8-9): a range reaching 7 is refused.
 
-Writes `DIR/calibration.json` (every case's ρ) and `DIR/calibration.md`
-(the table); prints the table. Exits non-zero when a class is empty.
+Other ways to pool the statements' ρ into one score (their mean, 90th
+percentile, and the fraction of statements at or above the chosen
+threshold) are reported beside the largest, as the AUC of each separating
+`not_stored` from each stored class: whether a better pooling would pay
+the bonus on paraphrased storage.
+
+Writes `DIR/calibration.json` (every case's ρ and its statements' ρ) and
+`DIR/calibration.md` (the tables); prints them. Exits non-zero when a
+class is empty.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import json
 import os
 import sys
 import time
+from typing import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -156,6 +165,35 @@ def summarize(records: list[dict], threshold: float,
   return out
 
 
+def poolings(threshold: float) -> dict[str, Callable[[np.ndarray], float]]:
+  """Ways to pool a session's statement ρ `[U]` into one score (higher:
+  more novel); `largest` is the reward's."""
+  return {"largest": lambda rho: float(rho.max(initial=0.0)),
+          "mean": lambda rho: float(rho.mean()) if rho.size else 0.0,
+          "90th percentile": (lambda rho: float(np.quantile(rho, 0.9))
+                              if rho.size else 0.0),
+          "fraction novel": (lambda rho: float(np.mean(rho >= threshold))
+                             if rho.size else 0.0)}
+
+
+def pooling_aucs(records: list[dict], threshold: float
+                 ) -> dict[str, dict[str, float]]:
+  """Per pooling, the AUC of its score separating `not_stored` (above)
+  from each stored class, over `records` (with `statement_rho`)."""
+  out = {}
+  for name, pool in poolings(threshold).items():
+    scores = [pool(np.asarray(r["statement_rho"], np.float64))
+              for r in records]
+    out[name] = {}
+    for label in POSITIVE:
+      keep = [i for i, r in enumerate(records)
+              if r["class"] in ("not_stored", label)]
+      out[name][label] = auc(np.asarray([scores[i] for i in keep]),
+                             np.asarray([records[i]["class"] == "not_stored"
+                                         for i in keep]))
+  return out
+
+
 def to_markdown(summary: dict, settings: dict) -> str:
   """The RESULTS.md table."""
   lines = [f"Encoder {settings['encoder']}; choose on conversations "
@@ -175,6 +213,12 @@ def to_markdown(summary: dict, settings: dict) -> str:
     a = data["auc"]
     lines.append(f"| {split} | {a['verbatim']:.3f} | {a['paraphrased']:.3f} "
                  f"| {a['both']:.3f} |")
+  lines += ["", "AUC of other poolings of the statements' ρ (choose; "
+            "`largest` is the reward's):", "",
+            "| pooling | verbatim | paraphrased |", "|---|---|---|"]
+  for name, row in summary["pooling_auc"].items():
+    lines.append(f"| {name} | {row['verbatim']:.3f} | "
+                 f"{row['paraphrased']:.3f} |")
   return "\n".join(lines) + "\n"
 
 
@@ -204,7 +248,8 @@ def run(config, output: str, choose: str, check: str) -> dict:
       terms = computer([rollout for _, _, rollout in built])
       records += [{"split": split, "dialogue": dialogue.dialogue_id,
                    "session": t, "class": label,
-                   "rho": float(term.semantic_skip_rho)}
+                   "rho": float(term.semantic_skip_rho),
+                   "statement_rho": list(term.semantic_skip_statement_rhos)}
                   for (label, t, _), term in zip(built, terms)]
   chosen = [r for r in records if r["split"] == "choose"]
   for label in CLASSES:
@@ -214,6 +259,7 @@ def run(config, output: str, choose: str, check: str) -> dict:
       np.asarray([r["rho"] for r in chosen]),
       np.asarray([r["class"] in POSITIVE for r in chosen]))
   summary = summarize(records, threshold, reward.semantic_skip_threshold)
+  summary["pooling_auc"] = pooling_aucs(chosen, threshold)
   settings = {"encoder": config.encoder.kind, "choose": choose,
               "check": check,
               "conversations": sorted({r["dialogue"] for r in records}),

@@ -99,7 +99,8 @@ class RewardConfig:
   core_specificity_weight: float = 0.3
   generic_core_patterns: tuple[str, ...] = DEFAULT_GENERIC_CORE_PATTERNS
   semantic_skip_bonus: float = 0.1
-  # A semantic SKIP is justified below this ρ (`_semantic_skip_rho`):
+  # A semantic SKIP is justified below this ρ (the largest of
+  # `_semantic_skip_statement_rhos`):
   # chosen on LoCoMo training conversations with all-MiniLM-L6-v2 by
   # tools/skip_calibration.py (RESULTS.md "Semantic SKIP calibration");
   # another encoder needs its own run.
@@ -323,6 +324,8 @@ class RewardTerms:
   core_specificity_factor: float
   semantic_skip_justified: bool | None
   semantic_skip_rho: float | None  # What the judgement compared (SKIPs).
+  # Per user statement of the session (SKIPs): ρ is their largest.
+  semantic_skip_statement_rhos: tuple[float, ...] | None
   semantic_skip_bonus: float
   total: float
   reward: float  # `total` gated by validity: what the advantage uses.
@@ -527,23 +530,25 @@ class RewardComputer:
       results[i] = [(float(gain), float("nan"))] * len(scored[i])
     return results
 
-  def _semantic_skip_rho(self, rollouts: Sequence[RolloutInput],
-                         embeddings: dict[str, np.ndarray],
-                         which: list[int]) -> dict[int, float]:
-    """ρ of the session against the semantic store (SPEC §4.4), for the
-    rollouts that SKIP semantic: the largest clamped CMI
-    `ρ(C; u | M_sem)` over what the user states in the session (clauses of
-    the user's turns that are not questions: App. B's SKIP is for content
-    that is not user-specific), i.e. what the best semantic write drawn
-    from the user's own words would score; 0 when the user states nothing
-    (a session of common-knowledge questions). The conditioning set is
-    the semantic store (top-k by the App. F query; no recency term), with
-    the cosine fallback below `min_memories` entries.
+  def _semantic_skip_statement_rhos(self, rollouts: Sequence[RolloutInput],
+                                    embeddings: dict[str, np.ndarray],
+                                    which: list[int]
+                                    ) -> dict[int, np.ndarray]:
+    """The clamped CMI `ρ(C; u | M_sem)` `[U]` of each statement u the user
+    makes in the session, for the rollouts that SKIP semantic (SPEC §4.4);
+    the session's ρ is their largest, i.e. what the best semantic write
+    drawn from the user's own words would score. Statements are clauses of
+    the user's turns that are not questions (App. B's SKIP is for content
+    that is not user-specific); none (a session of common-knowledge
+    questions) gives ρ = 0. The conditioning set is the semantic store
+    (top-k by the App. F query; no recency term), with the cosine fallback
+    below `min_memories` entries.
     """
     turns = {i: rollouts[i].statements() for i in which}
     which = [i for i in which if turns[i]]
+    none = np.zeros(0, np.float32)
     if not which:
-      return {i: 0.0 for i in turns}
+      return {i: none for i in turns}
     rows = _bucket(len(which), 8)  # Few compiled shapes across batches.
     stores = [rollouts[i].bank.stores[MemoryType.SEMANTIC] for i in which]
     m = _bucket(max(len(store) for store in stores), 32)
@@ -564,9 +569,8 @@ class RewardComputer:
         config=dataclasses.replace(self.config.conditioning, n_recent=0),
         min_memories=self.config.min_memories)
     rho_new = np.clip(np.asarray(rho_new), 0.0, 1.0)
-    found = {i: float(rho_new[row, :len(turns[i])].max(initial=0.0))
-             for row, i in enumerate(which)}
-    return {i: found.get(i, 0.0) for i in turns}
+    found = {i: rho_new[row, :len(turns[i])] for row, i in enumerate(which)}
+    return {i: found.get(i, none) for i in turns}
 
   # -- per-rollout terms ---------------------------------------------------
 
@@ -599,7 +603,8 @@ class RewardComputer:
       rhos = self._logprob_rho(rollouts, scored)
     else:
       rhos = self._rho(rollouts, scored, embeddings)
-    skip_rho = self._semantic_skip_rho(rollouts, embeddings, skips)
+    skip_rhos = self._semantic_skip_statement_rhos(rollouts, embeddings,
+                                                   skips)
     # Eq. 16: the slot retrieved most often while answering, counted over
     # the whole batch (valid rollouts), is dominant for every rollout.
     batch_counts: collections.Counter[MemoryType] = collections.Counter()
@@ -607,7 +612,7 @@ class RewardComputer:
       if rollout.response.valid:
         batch_counts.update(rollout.retrieval_counts or {})
     dominant = self._dominant_type(batch_counts)
-    return [self._terms(r, scored[i], rhos[i], embeddings, skip_rho.get(i),
+    return [self._terms(r, scored[i], rhos[i], embeddings, skip_rhos.get(i),
                         dominant)
             for i, r in enumerate(rollouts)]
 
@@ -615,7 +620,7 @@ class RewardComputer:
              scored: list[tuple[Operation, str, str | None]],
              rhos: list[tuple[float, float]],
              embeddings: dict[str, np.ndarray],
-             semantic_skip_rho: float | None,
+             statement_rhos: np.ndarray | None,
              batch_dominant: MemoryType | None) -> RewardTerms:
     config = self.config
     response = rollout.response
@@ -648,6 +653,8 @@ class RewardComputer:
                        if op.memory_type is MemoryType.CORE
                        for pattern in self._generic)
     # Justified when nothing in the session is novel for the semantic store.
+    semantic_skip_rho = (None if statement_rhos is None
+                         else float(statement_rhos.max(initial=0.0)))
     justified = (None if semantic_skip_rho is None
                  else semantic_skip_rho < config.semantic_skip_threshold)
     skip_bonus = (0.0 if justified is None else
@@ -673,7 +680,11 @@ class RewardComputer:
         cross_duplicate_fraction=cross, cross_duplicate_factor=factors["cross"],
         core_generic=core_generic, core_specificity_factor=factors["core"],
         semantic_skip_justified=justified,
-        semantic_skip_rho=semantic_skip_rho, semantic_skip_bonus=skip_bonus,
+        semantic_skip_rho=semantic_skip_rho,
+        semantic_skip_statement_rhos=(
+            None if statement_rhos is None
+            else tuple(float(x) for x in statement_rhos)),
+        semantic_skip_bonus=skip_bonus,
         total=total, reward=total if valid else 0.0, empty=empty,
         operations=operations, line_weights=line_weights,
         dominant_type=dominant)

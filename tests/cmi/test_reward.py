@@ -392,7 +392,7 @@ def test_semantic_skip_on_real_sentence_embeddings(minilm):
     trivia = _skip_terms(minilm, store, TRIVIA_SESSION)
     assert trivia.semantic_skip_justified is True
     assert trivia.semantic_skip_bonus == 0.1
-  rho = RewardComputer(minilm)._semantic_skip_rho
+  rhos = RewardComputer(minilm)._semantic_skip_statement_rhos
   context = "\n".join(DOG_SESSION)
   texts = [context, *DOG_STATEMENTS]
   embeddings = dict(zip(texts, minilm.encode(texts)))
@@ -408,7 +408,9 @@ def test_semantic_skip_on_real_sentence_embeddings(minilm):
         minilm, session_index=0)
     rollout = RolloutInput(bank, context, parse(SKIPS), 0.0,
                            user_turns=_user_turns(DOG_SESSION))
-    values.append(rho([rollout], embeddings, [0])[0])
+    per_statement = rhos([rollout], embeddings, [0])[0]
+    assert per_statement.shape == (len(DOG_STATEMENTS),)
+    values.append(float(per_statement.max()))
   assert values[0] == pytest.approx(0.0, abs=1e-3)
   assert RewardConfig().semantic_skip_threshold < values[1] < values[2]
 
