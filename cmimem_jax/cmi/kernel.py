@@ -519,15 +519,16 @@ def _large_programs(e_ctx: jax.Array, e_new: jax.Array, mem: jax.Array,
   anchored = _anchor_jit(mask, products)
   rows = np.flatnonzero(np.asarray(_any_anchor_jit(anchored)))
   batch = mem.shape[0]
+  bucket = _row_bucket(len(rows), batch)
   if not len(rows):
     v, dd = _unanchored_products(products)
-  elif (_row_bucket(len(rows), batch) > batch * ANCHORED_GATHER_MAX
+  elif (bucket > batch * ANCHORED_GATHER_MAX
         or len(mem.sharding.device_set) > 1):  # A gather across devices.
     v, dd = _anchored_products_jit(
         mem, _deltas_jit(e_ctx, e_new, mem, anchored), form)
   else:
     # Padding repeats a row: the same values are written twice.
-    padded = np.full(_row_bucket(len(rows), batch), rows[0])
+    padded = np.full(bucket, rows[0])
     padded[:len(rows)] = rows
     v, dd = _merge_anchored(products, padded, *_anchored_products_jit(
         *_anchored_rows(e_ctx, e_new, mem, anchored, padded), form))

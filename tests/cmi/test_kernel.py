@@ -1,3 +1,6 @@
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -253,8 +256,6 @@ def test_vmap_and_jit_compose():
 
 def test_the_readme_example_runs(capsys):
   """README's "The CMI kernel" block, run as written."""
-  import pathlib
-  import re
   readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
   section = readme.split("### The CMI kernel", 1)[1]
   (block,) = re.findall(r"```python\n(.*?)```", section.split("\n### ", 1)[0],
