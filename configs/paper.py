@@ -176,7 +176,11 @@ def training() -> ml_collections.ConfigDict:
       "curriculum_weights": (1.0, 1.0, 1.0), "curriculum_tiers": 3,
       # Held-out sessions (never trained on) answered greedily and scored
       # every eval_every steps (and at the last): eval/* in metrics.jsonl.
-      "validation_sessions": 0, "eval_every": 0})
+      "validation_sessions": 0, "eval_every": 0,
+      # Every rollout's session, response and reward terms, one JSON line
+      # each, in DIR/rollouts.jsonl (per-session analyses such as the
+      # Semantic SKIP report, tools/skip_report.py; ~1 KB a rollout).
+      "log_rollouts": False})
   # keep: the newest checkpoints; keep_period > 0 also keeps every step
   # divisible by it (App. I evaluates steps 20 and 50). save_concurrent_gb:
   # GB of arrays written at once (each costs as much host memory while

@@ -51,6 +51,7 @@ def get_config() -> ml_collections.ConfigDict:
   # answered greedily every 2 steps: the validation curve
   # (validation.png), on which each arm's evaluated checkpoint is chosen
   # (every 2nd step is kept for that), never on the evaluation dialogues.
+  # Every rollout goes to rollouts.jsonl (tools/skip_report.py reads it).
   config.rollout.num_rollouts = 4
   # r_QA during GRPO reads the retrieved memories alone (no LookupChunk;
   # the evaluation below keeps it). With LookupChunk any entry written
@@ -60,7 +61,7 @@ def get_config() -> ml_collections.ConfigDict:
   # is 1 only where the written memories carry the answer.
   config.memory.source_chunks = False
   config.rl.update({"max_steps": 10, "validation_sessions": 2,
-                    "eval_every": 2})
+                    "eval_every": 2, "log_rollouts": True})
   config.checkpoint.update({"keep": 1, "keep_period": 2})
   config.repro = ml_collections.ConfigDict({
       "locomo": "../shared/data/locomo/locomo10.json",

@@ -163,6 +163,7 @@ NOT_IN_PAPER = {
     "rl.micro_batches": "memory (accumulation is exact)",
     "rl.logprob_chunk": "memory", "rl.share_prompts": "speed (exact)",
     "rl.validation_sessions": "bookkeeping", "rl.eval_every": "bookkeeping",
+    "rl.log_rollouts": "logging",
     "checkpoint.": "bookkeeping (keep_period 10: App. I's steps 20 / 50)",
 }
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from absl import app
 
+from cmimem_jax.data import bundled_path
 from cmimem_jax.memory import MemoryBank
 from cmimem_jax.memory.types import MemoryEntry, MemoryType
 from configs import small_repro
@@ -309,6 +310,13 @@ def test_report_is_written_from_what_has_been_evaluated(tmp_path,
   assert json.loads((tmp_path / "differences.json").read_text())[0][
       "policy"] == "warm_start"
   assert "Seeds pooled" not in text
+  assert "- GRPO (every arm): the bundled LongMemEval training sample" in text
+  # Another training set is named by its file.
+  filler = small_repro.get_config()
+  filler.dataset.path = bundled_path("longmemeval_train_with_filler.json")
+  assert ("- GRPO (every arm): `longmemeval_train_with_filler.json` "
+          "(per-session QA)") in reproduce.reproduce(filler, str(tmp_path),
+                                                     ["report"])
   # Another seed's workdir, pooled: its own and the averaged difference.
   other = tmp_path / "seed1"
   shutil.copytree(tmp_path / "eval", other / "eval")

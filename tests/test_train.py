@@ -19,10 +19,13 @@ from cmimem_jax.config import ConfigError, apply_overrides
 from cmimem_jax.evaluation.answering import MemoryContext
 from cmimem_jax.evaluation.judges import context_recall
 from cmimem_jax.memory.dsl import parse
-from cmimem_jax.rl import read_metrics
+from cmimem_jax.rl import read_metrics, read_rollouts
 from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
 from cmimem_jax.task.episode import apply_to_copy
 from cmimem_jax.task.loop import Trainer
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+import skip_report  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -130,6 +133,20 @@ def test_logged_reward_terms_equal_direct_computation(tmp_path):
     want = np.mean([getattr(t, name) for t in terms])
     assert metrics[f"reward/{name}"] == pytest.approx(want, abs=1e-9), name
   assert metrics["validity_rate"] == pytest.approx(0.75)
+  # The rollouts.jsonl records (`rl.log_rollouts`): each rollout's own terms.
+  records = loop.rollout_records
+  assert [r["reward"] for r in records] == pytest.approx(
+      [t.reward for t in terms], abs=1e-9)
+  assert [r["response"] for r in records] == [
+      loop.policy.decode(loop.policy.tokenizer.encode(
+          RESPONSES[row % len(RESPONSES)], add_special_tokens=False))
+      for row in range(len(records))]
+  assert [r["session"] for r in records] == [
+      s for s in metrics["sessions"] for _ in range(group)]
+  skips = [r for r in records if r["semantic_skip"]]
+  assert skips and all(isinstance(r["semantic_skip_statement_rhos"], tuple)
+                       and r["semantic_skip_justified"] in (0.0, 1.0)
+                       for r in skips)
   assert metrics["reward/qa"] > 0 and metrics["reward/cmi"] != 0
   # Composite reward with alpha = 0.5 before the multiplicative factors.
   assert np.mean([t.base for t in terms]) == pytest.approx(
@@ -163,7 +180,7 @@ def test_crash_between_checkpoints_then_resume_with_a_snapshot_refresh(
   validation curve: two held-out sessions, never in a training batch,
   scored every 2 steps and at the last."""
   overrides = {**VALIDATION, "rl.max_steps": 4, "checkpoint.every_steps": 2,
-               "rl.sessions_per_batch": 5}
+               "rl.sessions_per_batch": 5, "rl.log_rollouts": True}
   first = Trainer(tiny_config(**overrides), str(tmp_path))
   assert first.resumed_from is None
   held_out = {(r.dialogue, r.session) for r in first.validation}
@@ -190,6 +207,9 @@ def test_crash_between_checkpoints_then_resume_with_a_snapshot_refresh(
     assert len(m["sessions"]) == 5
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
   assert [m["snapshot_version"] for m in crashed] == [0, 0, 0]
+  rows_per_step = 5 * first.group
+  assert [r["step"] for r in read_rollouts(str(tmp_path))] == [
+      step for step in (1, 2, 3) for _ in range(rows_per_step)]
 
   resumed = Trainer(tiny_config(**overrides), str(tmp_path))
   assert resumed.resumed_from == 2 and resumed.loop["step"] == 2
@@ -198,6 +218,20 @@ def test_crash_between_checkpoints_then_resume_with_a_snapshot_refresh(
   metrics = read_metrics(str(tmp_path))
   assert [m["step"] for m in metrics] == [1, 2, 3, 4]
   assert [m["snapshot_version"] for m in metrics] == [0, 0, 0, 1]
+  # Step 3's rollouts logged once, from the resumed run.
+  rollouts = read_rollouts(str(tmp_path))
+  assert [r["step"] for r in rollouts] == [
+      step for step in (1, 2, 3, 4) for _ in range(rows_per_step)]
+  assert [r["session"] for r in rollouts] == [
+      s for m in metrics for s in m["sessions"] for _ in range(first.group)]
+  assert [r["reward"] for r in rollouts[-rows_per_step:]] == pytest.approx(
+      [r["reward"] for r in resumed.rollout_records])
+  # tools/skip_report.py reads the run: every rollout counted once.
+  counts = skip_report.skip_counts(rollouts, skip_report.run_kinds(
+      str(tmp_path)))
+  assert sum(c["rollouts"] for c in counts.values()) == len(rollouts)
+  assert sum(c["skips"] for c in counts.values()) == sum(
+      bool(r["semantic_skip"]) for r in rollouts)
   assert sorted(os.listdir(tmp_path / "snapshots")) == ["v0", "v1"]
   assert ["eval/reward" in m for m in metrics] == [False, True, False, True]
   assert all(m["eval/sessions"] == 2 for m in metrics[1::2])

@@ -70,7 +70,7 @@ from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
 from cmimem_jax.config import CONFIG_FILE, run_command  # noqa: E402
-from cmimem_jax.data import load_dataset  # noqa: E402
+from cmimem_jax.data import bundled_path, load_dataset  # noqa: E402
 from cmimem_jax.encoders import make_encoder  # noqa: E402
 from cmimem_jax.evaluation.metrics import bootstrap_interval  # noqa: E402
 from cmimem_jax.evaluation.run import evaluate, read_records  # noqa: E402
@@ -756,7 +756,8 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
   for stage in stages:
     if stage == "report":
       text = report(workdir, teachers, held_out, record.done, eval_dirs,
-                    evaluated_dirs(), period, pool, command)
+                    evaluated_dirs(), period, pool, command,
+                    config.dataset.path)
       if compare:
         text += compare_report(workdir, compare, eval_dirs)
       if sweep:
@@ -807,8 +808,10 @@ def evaluated_checkpoints(eval_dirs: dict[str, str]) -> str:
 
 def report(workdir: str, teachers, held_out, wall: dict[str, float],
            eval_dirs: dict[str, str], model_dirs: dict[str, str],
-           period: int, pool: Sequence[str] = (), command: str = "") -> str:
+           period: int, pool: Sequence[str] = (), command: str = "",
+           training_data: str = "") -> str:
   """RESULTS.md's text (and the plots) from what has been run so far;
+  `training_data`: GRPO's dataset file (default: the bundled sample);
   `model_dirs`: policy -> the run directory evaluated and reported;
   `pool`: workdirs of the same recipe run with other seeds, pooled with
   this one; `command`: the invocation writing it (default: the bare
@@ -844,8 +847,11 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
       f"{', '.join(d.dialogue_id for d in teachers)} "
       f"({len(read_lines(data)) if os.path.exists(data) else 0} "
       "trajectories)",
-      "- GRPO (every arm): the bundled LongMemEval training sample "
-      "(per-session QA)",
+      "- GRPO (every arm): "
+      + (f"`{os.path.basename(training_data)}`"
+         if training_data and os.path.abspath(training_data) != bundled_path()
+         else "the bundled LongMemEval training sample")
+      + " (per-session QA)",
       f"- evaluation (never seen in training): "
       f"{', '.join(d.dialogue_id for d in held_out)}, `method=policy`, "
       "every bank built by the policy with grammar-constrained decoding, "

@@ -80,5 +80,11 @@ def bundled_path(name: str = "longmemeval_train_sample.json") -> str:
   `longmemeval_train_sample.json`: our own small training set (6 users,
   15 short sessions, 42 per-session QA pairs) in LongMemEval format with
   the `session_qa` extension, written for the CPU configs.
+  `longmemeval_train_with_filler.json`: the same with two sessions per
+  user (ids `<user>_f1`, `<user>_f2`) in which the user only asks
+  common-knowledge questions, like the filler sessions (ShareGPT /
+  UltraChat requests) that make up most of LongMemEval's haystacks: there
+  a semantic SKIP is right (App. B). Each has 2 QA pairs about what was
+  asked (27 sessions, 66 QA pairs).
   """
   return os.path.join(os.path.dirname(__file__), "bundled", name)

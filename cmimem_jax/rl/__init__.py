@@ -13,7 +13,7 @@ from cmimem_jax.rl.logprobs import (mean_continuation_logprobs,
 from cmimem_jax.rl.losses import (AGGREGATIONS, GRPOLossConfig, Objective,
                                   SFTLossConfig, aggregation_scale, grpo_loss,
                                   k3_kl, sft_loss)
-from cmimem_jax.rl.metrics import MetricsWriter, read_metrics
+from cmimem_jax.rl.metrics import MetricsWriter, read_metrics, read_rollouts
 from cmimem_jax.rl.signals import StopSignals
 from cmimem_jax.rl.trainer import (Learner, OptimizerConfig, TrainStepConfig,
                                    accumulated_grads, make_optimizer)
@@ -23,7 +23,7 @@ __all__ = [
     "OptimizerConfig", "Restored", "SFTLossConfig", "StopSignals", "TrainStepConfig",
     "accumulated_grads", "group_advantages", "grpo_loss", "k3_kl",
     "load_model_weights", "make_optimizer", "mean_continuation_logprobs",
-    "read_metrics", "recompute_logprobs", "rollout_batch",
+    "read_metrics", "read_rollouts", "recompute_logprobs", "rollout_batch",
     "shared_prompt_group", "sft_loss", "supervised_batch", "token_logprobs",
     "trim_common_padding",
 ]

@@ -35,28 +35,42 @@ def _summary_writer_class() -> type:
   return SummaryWriter
 
 
+# Per-rollout records (`rl.log_rollouts`), beside metrics.jsonl.
+ROLLOUTS_FILE = "rollouts.jsonl"
+
+
+def _open_from_step(path: str, start_step: int):
+  """`path` opened for appending, its records of steps after `start_step`
+  removed first (they run again from the checkpoint)."""
+  records = read_jsonl(path)
+  kept = [r for r in records if r.get("step", 0) <= start_step]
+  if len(kept) < len(records):
+    logging.warning("%s: dropping %d records of steps after %d (they run "
+                    "again from the checkpoint)", path,
+                    len(records) - len(kept), start_step)
+    rewrite_jsonl(path, kept)
+  return open(path, "a", encoding="utf-8")
+
+
 class MetricsWriter:
-  """Appends step metrics to `workdir/metrics.jsonl` (and TensorBoard).
+  """Appends step metrics to `workdir/metrics.jsonl` (and TensorBoard),
+  and with `rollouts` each rollout's record to `workdir/rollouts.jsonl`.
 
   `start_step`: the step training resumes from. Records of later steps (a
   run that crashed after them but before its next checkpoint) are removed,
-  from the JSONL file and from TensorBoard (`purge_step`), since those steps
-  run again; a torn last line from a killed writer is dropped.
+  from the JSONL files and from TensorBoard (`purge_step`), since those
+  steps run again; a torn last line from a killed writer is dropped.
   """
 
   def __init__(self, workdir: str, total_steps: int | None = None,
                tensorboard: bool = True, progress: bool | None = None,
-               start_step: int = 0):
+               start_step: int = 0, rollouts: bool = False):
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, "metrics.jsonl")
-    records = read_jsonl(self.path)
-    kept = [r for r in records if r.get("step", 0) <= start_step]
-    if len(kept) < len(records):
-      logging.warning("%s: dropping %d records of steps after %d (they run "
-                      "again from the checkpoint)", self.path,
-                      len(records) - len(kept), start_step)
-      rewrite_jsonl(self.path, kept)
-    self._file = open(self.path, "a", encoding="utf-8")
+    self._file = _open_from_step(self.path, start_step)
+    # `write_rollouts`' file, under the same resume rule.
+    self._rollouts = (_open_from_step(os.path.join(workdir, ROLLOUTS_FILE),
+                                      start_step) if rollouts else None)
     self._tb = None
     if tensorboard:
       self._tb = _summary_writer_class()(
@@ -88,8 +102,18 @@ class MetricsWriter:
       shown = {k: clean[k] for k in ("loss", "reward_mean") if k in clean}
       self._bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()})
 
+  def write_rollouts(self, step: int, records: list[dict[str, Any]]) -> None:
+    """Appends one line per rollout of `step` to `ROLLOUTS_FILE`."""
+    if self._rollouts is None:
+      raise ValueError("this MetricsWriter was opened with rollouts=False")
+    for record in records:
+      self._rollouts.write(json.dumps({"step": step, **record}) + "\n")
+    self._rollouts.flush()
+
   def close(self) -> None:
     self._file.close()
+    if self._rollouts is not None:
+      self._rollouts.close()
     if self._tb is not None:
       self._tb.close()
     if self._bar is not None:
@@ -99,3 +123,8 @@ class MetricsWriter:
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
   """Every step's record in `workdir/metrics.jsonl`."""
   return read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+
+
+def read_rollouts(workdir: str) -> list[dict[str, Any]]:
+  """Every rollout's record in `workdir/rollouts.jsonl` (`rl.log_rollouts`)."""
+  return read_jsonl(os.path.join(workdir, ROLLOUTS_FILE))

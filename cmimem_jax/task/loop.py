@@ -8,7 +8,8 @@ state -> CMI terms (one batched kernel call) + QA reward (`context_recall`
 or an LLM judge) -> composite reward, validity gate, attribution token
 weights -> group advantages -> one sharded GRPO update (`rl.Learner`).
 Every reward term is logged per step to `DIR/metrics.jsonl` (and
-TensorBoard).
+TensorBoard); with `rl.log_rollouts`, every rollout's response and terms
+to `DIR/rollouts.jsonl`.
 
 Snapshots M_{t-1} (`rl.snapshots`): fixed expert states from a directory
 (the paper's protocol; `tools/build_expert_states.py` builds them), never
@@ -314,6 +315,8 @@ class Trainer:
     self.checkpointer = Checkpointer.for_workdir(workdir, config.checkpoint)
     self.key = jax.random.key(config.seed)
     self.loop = {"step": 0, "snapshot_version": 0, "snapshot_epoch": 0}
+    # The last step's rollouts, one record each (`rl.log_rollouts`).
+    self.rollout_records: list[dict[str, Any]] = []
     restored = self.checkpointer.restore(self.learner.params,
                                          self.learner.opt_state, self.key)
     if restored is not None:
@@ -485,6 +488,14 @@ class Trainer:
         sample_s=sample_s, reward_s=reward_s,
         sessions=[f"{self.dialogues[r.dialogue].dialogue_id}/{r.session}"
                   for r in refs])
+    self.rollout_records = [
+        {"session": metrics["sessions"][i // self.group],
+         "session_id": episodes[i // self.group].session.session_id,
+         "rollout": i % self.group, "advantage": float(advantages[i]),
+         **t.scalars(),
+         "semantic_skip_statement_rhos": t.semantic_skip_statement_rhos,
+         "response": text}
+        for i, (t, text) in enumerate(zip(terms, texts))]
     self.loop["step"] = step + 1
     return metrics
 
@@ -507,7 +518,8 @@ class Trainer:
     writer = MetricsWriter(self.workdir, self.total_steps,
                            tensorboard=self.config.tensorboard,
                            start_step=self.loop["step"],
-                           progress=False if echo else None)
+                           progress=False if echo else None,
+                           rollouts=self.config.rl.log_rollouts)
     every = self.config.checkpoint.every_steps
     history = []
     with contextlib.ExitStack() as stack:
@@ -535,6 +547,8 @@ class Trainer:
                                                or step == self.total_steps):
           metrics.update(self.validate())
         writer.write(step, metrics)
+        if self.config.rl.log_rollouts:
+          writer.write_rollouts(step, self.rollout_records)
         history.append(metrics)
         line = (f"step {step}/{self.total_steps}: reward "
                 f"{metrics['reward_mean']:.4f} valid "

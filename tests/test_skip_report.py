@@ -1,0 +1,77 @@
+"""`tools/skip_report.py`: semantic SKIPs of logged rollouts, by kind of
+session, counted as the reward logged them."""
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+from cmimem_jax.data.registry import bundled_path
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
+import skip_report  # noqa: E402
+
+
+def _workdir(path: pathlib.Path, records: list[dict]) -> str:
+  path.mkdir()
+  (path / "config.json").write_text(json.dumps({"dataset": {
+      "name": "longmemeval", "split": "", "dialogues": 0,
+      "path": bundled_path("longmemeval_train_with_filler.json")}}))
+  (path / "rollouts.jsonl").write_text(
+      "".join(json.dumps(r) + "\n" for r in records))
+  return str(path)
+
+
+def _skip(session: str, justified: bool, rho: float) -> dict:
+  return {"step": 1, "session": session, "semantic_skip": 1.0,
+          "semantic_skip_justified": float(justified),
+          "semantic_skip_rho": rho}
+
+
+def test_counts_by_kind_per_run_and_pooled(tmp_path, capsys):
+  # train_maya: session 1 is maya_f1 (the user only asks), 0 is maya_s1.
+  first = _workdir(tmp_path / "a", [
+      _skip("train_maya/1", True, 0.0),
+      {"step": 1, "session": "train_maya/1", "semantic_skip": 0.0},
+      _skip("train_maya/0", False, 0.7),
+      _skip("train_maya/0", True, 0.1)])
+  second = _workdir(tmp_path / "b", [
+      {"step": 1, "session": "train_maya/3", "semantic_skip": 0.0},
+      _skip("train_maya/2", False, 0.5)])
+  assert skip_report.main([first, second, "--output",
+                           str(tmp_path / "out.json")]) == 0
+  counts = json.loads((tmp_path / "out.json").read_text())
+  assert counts[first] == {
+      "states nothing": {"rollouts": 2, "skips": 1, "justified": 1,
+                         "skip_rho_mean": 0.0},
+      "states something": {"rollouts": 2, "skips": 2, "justified": 1,
+                           "skip_rho_mean": pytest.approx(0.4)}}
+  assert counts[second]["states nothing"] == {
+      "rollouts": 1, "skips": 0, "justified": 0, "skip_rho_mean": None}
+  assert counts["pooled"]["states something"] == {
+      "rollouts": 3, "skips": 3, "justified": 1,
+      "skip_rho_mean": pytest.approx(1.3 / 3)}
+  table = capsys.readouterr().out
+  assert f"| {first} | states nothing | 2 | 1 | 1 | 0.000 |" in table
+  assert "| pooled | states nothing | 3 | 1 | 1 | 0.000 |" in table
+
+
+def test_a_step_range_and_runs_without_rollouts(tmp_path, capsys):
+  run = _workdir(tmp_path / "a", [
+      {**_skip("train_maya/1", True, 0.0), "step": 1},
+      {**_skip("train_maya/3", True, 0.0), "step": 2},
+      {**_skip("train_maya/0", False, 0.6), "step": 3}])
+  assert skip_report.main([run, "--steps=2:3", "--output",
+                           str(tmp_path / "out.json")]) == 0
+  counts = json.loads((tmp_path / "out.json").read_text())[run]
+  assert [(c["rollouts"], c["skips"], c["justified"])
+          for c in counts.values()] == [(1, 1, 1), (1, 1, 0)]
+  capsys.readouterr()
+  assert skip_report.main([run, "--steps=4:9"]) == 1
+  assert "no logged rollouts in steps 4..9" in capsys.readouterr().err
+  empty = _workdir(tmp_path / "b", [])
+  assert skip_report.main([empty]) == 1
+  assert "rl.log_rollouts=True" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    skip_report.main([run, "--steps=3"])

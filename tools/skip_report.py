@@ -1,0 +1,148 @@
+"""Semantic SKIPs in training runs' logged rollouts, by kind of session.
+
+  python tools/skip_report.py DIR [DIR ...] [--steps=FIRST:LAST]
+      [--output=FILE.json]
+
+Each DIR is a `python -m cmimem_jax.train` (or `tools/reproduce.py` arm)
+workdir run with `rl.log_rollouts` (`DIR/rollouts.jsonl`). Its sessions
+are read from the run's own `DIR/config.json` (its `dataset` section) and
+split by what the semantic-SKIP judgement weighs (`user_statements`):
+
+  states nothing    the user only asks (common-knowledge questions): a
+                    SKIP is justified (App. B), ρ = 0;
+  states something  the user states facts: a SKIP is justified only when
+                    the store already holds them (ρ below
+                    `reward.semantic_skip_threshold`).
+
+Prints, per run and pooled, the rollouts, semantic SKIPs and SKIPs judged
+justified of each kind (as logged by the reward, never recomputed), over
+every logged step or those in `--steps` (inclusive), and writes them to
+`--output` as JSON. Exits non-zero when a DIR has no logged rollouts in
+those steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import ml_collections  # noqa: E402
+
+from cmimem_jax.config import CONFIG_FILE  # noqa: E402
+from cmimem_jax.data.fragments import user_statements  # noqa: E402
+from cmimem_jax.data.types import Dialogue  # noqa: E402
+from cmimem_jax.rl import read_rollouts  # noqa: E402
+from cmimem_jax.task.loop import training_dialogues  # noqa: E402
+
+STATES_NOTHING, STATES_SOMETHING = "states nothing", "states something"
+KINDS = (STATES_NOTHING, STATES_SOMETHING)
+
+
+def session_kinds(dialogues: Iterable[Dialogue]) -> dict[str, str]:
+  """`"<dialogue_id>/<session index>"` (the rollout records' `session`)
+  -> its kind."""
+  return {f"{d.dialogue_id}/{s.index}":
+          STATES_SOMETHING if user_statements(s.user_turns())
+          else STATES_NOTHING
+          for d in dialogues for s in d.sessions}
+
+
+def skip_counts(records: Iterable[dict[str, Any]], kinds: dict[str, str]
+                ) -> dict[str, dict[str, float]]:
+  """Per kind: `rollouts`, `skips` (semantic SKIPs), `justified` (of those
+  judged justified) and `skip_rho_mean` (the ρ the judgement compared,
+  mean over the SKIPs; None without SKIPs)."""
+  rows: dict[str, dict[str, Any]] = {
+      kind: {"rollouts": 0, "skips": 0, "justified": 0, "rhos": []}
+      for kind in KINDS}
+  for record in records:
+    row = rows[kinds[record["session"]]]
+    row["rollouts"] += 1
+    if record.get("semantic_skip"):
+      row["skips"] += 1
+      row["justified"] += int(record["semantic_skip_justified"])
+      row["rhos"].append(record["semantic_skip_rho"])
+  for row in rows.values():
+    rhos = row.pop("rhos")
+    row["skip_rho_mean"] = sum(rhos) / len(rhos) if rhos else None
+  return rows
+
+
+def run_kinds(workdir: str) -> dict[str, str]:
+  """The session kinds of the run in `workdir`, from its config.json."""
+  with open(os.path.join(workdir, CONFIG_FILE), encoding="utf-8") as f:
+    dataset = ml_collections.ConfigDict(json.load(f)["dataset"])
+  return session_kinds(training_dialogues(dataset))
+
+
+def markdown(counts: dict[str, dict[str, dict[str, float]]]) -> str:
+  """The table: a row per (run, kind)."""
+  lines = ["| run | session kind | rollouts | semantic SKIPs | judged "
+           "justified | mean ρ of the SKIPs |", "|---|---|---|---|---|---|"]
+  for run, rows in counts.items():
+    for kind in KINDS:
+      row = rows[kind]
+      rho = ("—" if row["skip_rho_mean"] is None
+             else f"{row['skip_rho_mean']:.3f}")
+      lines.append(f"| {run} | {kind} | {row['rollouts']} | {row['skips']} "
+                   f"| {row['justified']} | {rho} |")
+  return "\n".join(lines)
+
+
+def pooled(runs: Iterable[dict[str, dict[str, float]]]
+           ) -> dict[str, dict[str, float]]:
+  """Per kind, the runs' counts summed (ρ's mean weighted by SKIPs)."""
+  runs = list(runs)
+  out = {}
+  for kind in KINDS:
+    rows = [r[kind] for r in runs]
+    skips = sum(r["skips"] for r in rows)
+    out[kind] = {
+        "rollouts": sum(r["rollouts"] for r in rows), "skips": skips,
+        "justified": sum(r["justified"] for r in rows),
+        "skip_rho_mean": (sum(r["skip_rho_mean"] * r["skips"] for r in rows
+                              if r["skips"]) / skips if skips else None)}
+  return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("workdirs", nargs="+", metavar="DIR")
+  parser.add_argument("--steps", default="", metavar="FIRST:LAST",
+                      help="only these training steps (inclusive)")
+  parser.add_argument("--output", default="",
+                      help="also write the counts to this JSON file")
+  args = parser.parse_args(argv)
+  first, last = 1, float("inf")
+  if args.steps:
+    bounds = args.steps.split(":")
+    if len(bounds) != 2 or not all(b.isdigit() for b in bounds):
+      parser.error(f"--steps={args.steps}: expected FIRST:LAST, e.g. 1:5")
+    first, last = int(bounds[0]), int(bounds[1])
+  counts = {}
+  for workdir in args.workdirs:
+    records = [r for r in read_rollouts(workdir)
+               if first <= r["step"] <= last]
+    if not records:
+      print(f"{workdir}: no logged rollouts in steps {first}..{last} "
+            "(rollouts.jsonl; the run needs rl.log_rollouts=True)",
+            file=sys.stderr)
+      return 1
+    counts[workdir] = skip_counts(records, run_kinds(workdir))
+  if len(args.workdirs) > 1:
+    counts["pooled"] = pooled(counts[w] for w in args.workdirs)
+  print(markdown(counts))
+  if args.output:
+    with open(args.output, "w", encoding="utf-8") as f:
+      json.dump(counts, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
