@@ -40,7 +40,9 @@ def test_counts_by_kind_per_run_and_pooled(tmp_path, capsys):
       {"step": 1, "session": "train_maya/3", "semantic_skip": 0.0},
       _skip("train_maya/2", False, 0.5)])
   assert skip_report.main([first, second, "--output",
-                           str(tmp_path / "out.json")]) == 0
+                           str(tmp_path / "out.json"), "--plot",
+                           str(tmp_path / "skips.png")]) == 0
+  assert (tmp_path / "skips.png").read_bytes()[:4] == b"\x89PNG"
   counts = json.loads((tmp_path / "out.json").read_text())
   assert counts[first] == {
       "states nothing": {"rollouts": 2, "skips": 1, "justified": 1,

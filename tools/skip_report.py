@@ -1,7 +1,7 @@
 """Semantic SKIPs in training runs' logged rollouts, by kind of session.
 
   python tools/skip_report.py DIR [DIR ...] [--steps=FIRST:LAST]
-      [--output=FILE.json]
+      [--output=FILE.json] [--plot=FILE.png]
 
 Each DIR is a `python -m cmimem_jax.train` (or `tools/reproduce.py` arm)
 workdir run with `rl.log_rollouts` (`DIR/rollouts.jsonl`). Its sessions
@@ -17,7 +17,7 @@ split by what the semantic-SKIP judgement weighs (`user_statements`):
 Prints, per run and pooled, the rollouts, semantic SKIPs and SKIPs judged
 justified of each kind (as logged by the reward, never recomputed), over
 every logged step or those in `--steps` (inclusive), and writes them to
-`--output` as JSON. Exits non-zero when a DIR has no logged rollouts in
+`--output` as JSON; `--plot` draws each run's SKIPs per step and kind. Exits non-zero when a DIR has no logged rollouts in
 those steps.
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -111,6 +112,35 @@ def pooled(runs: Iterable[dict[str, dict[str, float]]]
   return out
 
 
+def plot(runs: dict[str, list[dict[str, Any]]],
+         kinds: dict[str, dict[str, str]], path: str) -> None:
+  """One panel per run: its semantic SKIPs per step, a bar per kind of
+  session, labelled with how many were judged justified."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.6),
+                           squeeze=False, sharey=True)
+  for ax, (run, records) in zip(axes[0], runs.items()):
+    steps = sorted({r["step"] for r in records})
+    for offset, kind, color in ((-0.2, STATES_NOTHING, "tab:green"),
+                                (0.2, STATES_SOMETHING, "tab:red")):
+      per_step = [skip_counts([r for r in records if r["step"] == step],
+                              kinds[run])[kind] for step in steps]
+      total = skip_counts(records, kinds[run])[kind]
+      ax.bar([step + offset for step in steps],
+             [c["skips"] for c in per_step], width=0.4, color=color,
+             label=f"user {kind}: {total['skips']} SKIPs, "
+                   f"{total['justified']} justified")
+    ax.set(title=os.path.join(*pathlib.Path(run).parts[-2:]), xlabel="step",
+           xticks=steps)
+    ax.legend(fontsize=8, loc="upper left")
+  axes[0][0].set_ylabel("semantic SKIPs (rollouts)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("workdirs", nargs="+", metavar="DIR")
@@ -118,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="only these training steps (inclusive)")
   parser.add_argument("--output", default="",
                       help="also write the counts to this JSON file")
+  parser.add_argument("--plot", default="",
+                      help="also draw the SKIPs per step to this PNG")
   args = parser.parse_args(argv)
   first, last = 1, float("inf")
   if args.steps:
@@ -125,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(bounds) != 2 or not all(b.isdigit() for b in bounds):
       parser.error(f"--steps={args.steps}: expected FIRST:LAST, e.g. 1:5")
     first, last = int(bounds[0]), int(bounds[1])
-  counts = {}
+  counts, runs, kinds = {}, {}, {}
   for workdir in args.workdirs:
     records = [r for r in read_rollouts(workdir)
                if first <= r["step"] <= last]
@@ -134,13 +166,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "(rollouts.jsonl; the run needs rl.log_rollouts=True)",
             file=sys.stderr)
       return 1
-    counts[workdir] = skip_counts(records, run_kinds(workdir))
+    runs[workdir], kinds[workdir] = records, run_kinds(workdir)
+    counts[workdir] = skip_counts(records, kinds[workdir])
   if len(args.workdirs) > 1:
     counts["pooled"] = pooled(counts[w] for w in args.workdirs)
   print(markdown(counts))
   if args.output:
     with open(args.output, "w", encoding="utf-8") as f:
       json.dump(counts, f, indent=1)
+  if args.plot:
+    plot(runs, kinds, args.plot)
   return 0
 
 
