@@ -220,6 +220,21 @@ def _training_sessions(dialogues: list[Dialogue], weights) -> list[SessionRef]:
   return refs
 
 
+def plan_sessions(config: Any, dialogues: list[Dialogue]
+                  ) -> tuple[list[SessionRef], Curriculum]:
+  """(the held-out validation sessions, the curriculum of the others): what
+  a training config trains on, from its `rl` section and `seed` alone (no
+  model), as `Trainer` plans it."""
+  rl = config.rl
+  sessions = _training_sessions(dialogues, tuple(rl.curriculum_weights))
+  # Held-out sessions, fixed by the seed, never in a training batch: the
+  # validation curve (`rl.eval_every`).
+  validation, sessions = split_validation(sessions, rl.validation_sessions,
+                                          config.seed)
+  return validation, Curriculum(sessions, rl.sessions_per_batch,
+                                rl.curriculum_tiers, max(1, rl.epochs))
+
+
 def _mean_terms(terms) -> dict[str, float]:
   sums: dict[str, list[float]] = collections.defaultdict(list)
   for t in terms:
@@ -304,13 +319,7 @@ class Trainer:
                                    self.mesh, constraint=self.constraint,
                                    max_rows_per_wave=(
                                        config.rollout.max_rows_per_wave))
-    sessions = _training_sessions(self.dialogues, tuple(rl.curriculum_weights))
-    # Held-out sessions, fixed by the seed, never in a training batch: the
-    # validation curve (`rl.eval_every`).
-    self.validation, sessions = split_validation(
-        sessions, rl.validation_sessions, config.seed)
-    self.curriculum = Curriculum(sessions, rl.sessions_per_batch,
-                                 rl.curriculum_tiers, max(1, rl.epochs))
+    self.validation, self.curriculum = plan_sessions(config, self.dialogues)
     self.total_steps = rl.max_steps or self.curriculum.planned_steps
     self.checkpointer = Checkpointer.for_workdir(workdir, config.checkpoint)
     self.key = jax.random.key(config.seed)
