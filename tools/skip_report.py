@@ -17,8 +17,8 @@ split by what the semantic-SKIP judgement weighs (`user_statements`):
 Prints, per run and pooled, the rollouts, semantic SKIPs and SKIPs judged
 justified of each kind (as logged by the reward, never recomputed), over
 every logged step or those in `--steps` (inclusive), and writes them to
-`--output` as JSON; `--plot` draws each run's SKIPs per step and kind. Exits non-zero when a DIR has no logged rollouts in
-those steps.
+`--output` as JSON; `--plot` draws each run's SKIPs per step and kind.
+Exits non-zero when a DIR has no logged rollouts (in those steps).
 """
 
 from __future__ import annotations
@@ -162,9 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = [r for r in read_rollouts(workdir)
                if first <= r["step"] <= last]
     if not records:
-      print(f"{workdir}: no logged rollouts in steps {first}..{last} "
-            "(rollouts.jsonl; the run needs rl.log_rollouts=True)",
-            file=sys.stderr)
+      where = f" in steps {first}..{last}" if args.steps else ""
+      print(f"{workdir}: no logged rollouts{where} (rollouts.jsonl; the "
+            "run needs rl.log_rollouts=True)", file=sys.stderr)
       return 1
     runs[workdir], kinds[workdir] = records, run_kinds(workdir)
     counts[workdir] = skip_counts(records, kinds[workdir])
