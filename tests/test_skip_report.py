@@ -13,11 +13,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
 import skip_report  # noqa: E402
 
 
-def _workdir(path: pathlib.Path, records: list[dict]) -> str:
+FILLER = "longmemeval_train_with_filler.json"
+
+
+def _workdir(path: pathlib.Path, records: list[dict],
+             dataset: str = bundled_path(FILLER)) -> str:
   path.mkdir()
   (path / "config.json").write_text(json.dumps({"dataset": {
-      "name": "longmemeval", "split": "", "dialogues": 0,
-      "path": bundled_path("longmemeval_train_with_filler.json")}}))
+      "name": "longmemeval", "split": "", "dialogues": 0, "path": dataset}}))
   (path / "rollouts.jsonl").write_text(
       "".join(json.dumps(r) + "\n" for r in records))
   return str(path)
@@ -71,9 +74,40 @@ def test_a_step_range_and_runs_without_rollouts(tmp_path, capsys):
           for c in counts.values()] == [(1, 1, 1), (1, 1, 0)]
   capsys.readouterr()
   assert skip_report.main([run, "--steps=4:9"]) == 1
-  assert "no logged rollouts in steps 4..9" in capsys.readouterr().err
+  assert ("no logged rollouts in steps 4..9 (it logged steps 1..3)"
+          in capsys.readouterr().err)
   empty = _workdir(tmp_path / "b", [])
   assert skip_report.main([empty]) == 1
   assert "rl.log_rollouts=True" in capsys.readouterr().err
-  with pytest.raises(SystemExit):
-    skip_report.main([run, "--steps=3"])
+  assert skip_report.main([str(tmp_path / "nope")]) == 1
+  assert "no such directory" in capsys.readouterr().err
+  for bad in ("--steps=3", "--steps=3:2"):
+    with pytest.raises(SystemExit):
+      skip_report.main([run, bad])
+
+
+def test_a_run_trained_with_a_relative_dataset_path(tmp_path, monkeypatch,
+                                                     capsys):
+  """As the documented commands train, from the repository root: the
+  report finds the dataset from any directory."""
+  relative = f"cmimem_jax/data/bundled/{FILLER}"
+  run = _workdir(tmp_path / "a", [_skip("train_maya/1", True, 0.0)],
+                 dataset=relative)
+  monkeypatch.chdir(tmp_path)
+  assert skip_report.main([run]) == 0
+  assert "| states nothing | 1 | 1 | 1 | 0.000 |" in capsys.readouterr().out
+  missing = _workdir(tmp_path / "b", [_skip("train_maya/1", True, 0.0)],
+                     dataset="no/such/data.json")
+  assert skip_report.main([missing]) == 1
+  assert "'no/such/data.json' is not found" in capsys.readouterr().err
+
+
+def test_a_run_still_writing_is_read_not_repaired(tmp_path, capsys):
+  run = _workdir(tmp_path / "a", [_skip("train_maya/1", True, 0.0)])
+  rollouts = tmp_path / "a" / "rollouts.jsonl"
+  with open(rollouts, "a") as f:
+    f.write('{"step": 2, "session": "train_ma')  # A line being written.
+  written = rollouts.read_bytes()
+  assert skip_report.main([run]) == 0
+  assert "| states nothing | 1 | 1 | 1 | 0.000 |" in capsys.readouterr().out
+  assert rollouts.read_bytes() == written

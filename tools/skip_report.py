@@ -18,7 +18,8 @@ Prints, per run and pooled, the rollouts, semantic SKIPs and SKIPs judged
 justified of each kind (as logged by the reward, never recomputed), over
 every logged step or those in `--steps` (inclusive), and writes them to
 `--output` as JSON; `--plot` draws each run's SKIPs per step and kind.
-Exits non-zero when a DIR has no logged rollouts (in those steps).
+Exits non-zero when a DIR has no logged rollouts (in those steps) or its
+dataset cannot be read. Never modifies a file: a running run can be read.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, REPO)
 
 import ml_collections  # noqa: E402
 
@@ -76,9 +78,18 @@ def skip_counts(records: Iterable[dict[str, Any]], kinds: dict[str, str]
 
 
 def run_kinds(workdir: str) -> dict[str, str]:
-  """The session kinds of the run in `workdir`, from its config.json."""
+  """The session kinds of the run in `workdir`, from its config.json. A
+  relative dataset path is read from here or, failing that, from the
+  repository root (where the documented commands run)."""
   with open(os.path.join(workdir, CONFIG_FILE), encoding="utf-8") as f:
     dataset = ml_collections.ConfigDict(json.load(f)["dataset"])
+  if not os.path.exists(dataset.path):
+    from_root = os.path.join(REPO, dataset.path)
+    if os.path.isabs(dataset.path) or not os.path.exists(from_root):
+      raise FileNotFoundError(
+          f"{workdir}: the run's dataset {dataset.path!r} is not found here "
+          f"or under {REPO}")
+    dataset.path = from_root
   return session_kinds(training_dialogues(dataset))
 
 
@@ -157,16 +168,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(bounds) != 2 or not all(b.isdigit() for b in bounds):
       parser.error(f"--steps={args.steps}: expected FIRST:LAST, e.g. 1:5")
     first, last = int(bounds[0]), int(bounds[1])
+    if first > last:
+      parser.error(f"--steps={args.steps}: FIRST is after LAST")
   counts, runs, kinds = {}, {}, {}
   for workdir in args.workdirs:
-    records = [r for r in read_rollouts(workdir)
-               if first <= r["step"] <= last]
-    if not records:
-      where = f" in steps {first}..{last}" if args.steps else ""
-      print(f"{workdir}: no logged rollouts{where} (rollouts.jsonl; the "
-            "run needs rl.log_rollouts=True)", file=sys.stderr)
+    if not os.path.isdir(workdir):
+      print(f"{workdir}: no such directory", file=sys.stderr)
       return 1
-    runs[workdir], kinds[workdir] = records, run_kinds(workdir)
+    logged = read_rollouts(workdir)
+    if not logged:
+      print(f"{workdir}: no logged rollouts (rollouts.jsonl; the run needs "
+            "rl.log_rollouts=True)", file=sys.stderr)
+      return 1
+    records = [r for r in logged if first <= r["step"] <= last]
+    if not records:
+      print(f"{workdir}: no logged rollouts in steps {first}..{last} (it "
+            f"logged steps {logged[0]['step']}..{logged[-1]['step']})",
+            file=sys.stderr)
+      return 1
+    try:
+      kinds[workdir] = run_kinds(workdir)
+    except (OSError, ValueError) as e:
+      print(e, file=sys.stderr)
+      return 1
+    runs[workdir] = records
     counts[workdir] = skip_counts(records, kinds[workdir])
   if len(args.workdirs) > 1:
     counts["pooled"] = pooled(counts[w] for w in args.workdirs)

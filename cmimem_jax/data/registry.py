@@ -84,7 +84,7 @@ def bundled_path(name: str = "longmemeval_train_sample.json") -> str:
   user (ids `<user>_f1`, `<user>_f2`) in which the user only asks
   common-knowledge questions, like the filler sessions (ShareGPT /
   UltraChat requests) that make up most of LongMemEval's haystacks: there
-  a semantic SKIP is right (App. B). Each has 2 QA pairs about what was
-  asked (27 sessions, 66 QA pairs).
+  a semantic SKIP is right (App. B). Each has 2 QA pairs on what was asked
+  or answered there (27 sessions, 66 QA pairs).
   """
   return os.path.join(os.path.dirname(__file__), "bundled", name)

@@ -120,11 +120,15 @@ class MetricsWriter:
       self._bar.close()
 
 
+# The readers below never modify a file: a run may still be appending to
+# it (a torn last line is skipped; `MetricsWriter` repairs it on resume).
+
+
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
   """Every step's record in `workdir/metrics.jsonl`."""
-  return read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  return read_jsonl(os.path.join(workdir, "metrics.jsonl"), repair=False)
 
 
 def read_rollouts(workdir: str) -> list[dict[str, Any]]:
   """Every rollout's record in `workdir/rollouts.jsonl` (`rl.log_rollouts`)."""
-  return read_jsonl(os.path.join(workdir, ROLLOUTS_FILE))
+  return read_jsonl(os.path.join(workdir, ROLLOUTS_FILE), repair=False)
