@@ -90,7 +90,8 @@ class ScriptedEngine:
 
 
 def test_logged_reward_terms_equal_direct_computation(tmp_path):
-  config = tiny_config(**{"rl.max_steps": 1, "reward.alpha": 0.5})
+  config = tiny_config(**{"rl.max_steps": 1, "reward.alpha": 0.5,
+                           "rl.log_rollouts": True})
   loop = Trainer(config, str(tmp_path))
   loop.policy.engine = ScriptedEngine(loop.policy.tokenizer)
   batches = []

@@ -124,23 +124,26 @@ def pooled(runs: Iterable[dict[str, dict[str, float]]]
 
 
 def plot(runs: dict[str, list[dict[str, Any]]],
-         kinds: dict[str, dict[str, str]], path: str) -> None:
+         kinds: dict[str, dict[str, str]],
+         counts: dict[str, dict[str, dict[str, float]]], path: str) -> None:
   """One panel per run: its semantic SKIPs per step, a bar per kind of
-  session, labelled with how many were judged justified."""
+  session, labelled with the run's `counts` (`skip_counts`)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.6),
                            squeeze=False, sharey=True)
   for ax, (run, records) in zip(axes[0], runs.items()):
-    steps = sorted({r["step"] for r in records})
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for record in records:
+      by_step.setdefault(record["step"], []).append(record)
+    steps = sorted(by_step)
+    per_step = [skip_counts(by_step[step], kinds[run]) for step in steps]
     for offset, kind, color in ((-0.2, STATES_NOTHING, "tab:green"),
                                 (0.2, STATES_SOMETHING, "tab:red")):
-      per_step = [skip_counts([r for r in records if r["step"] == step],
-                              kinds[run])[kind] for step in steps]
-      total = skip_counts(records, kinds[run])[kind]
+      total = counts[run][kind]
       ax.bar([step + offset for step in steps],
-             [c["skips"] for c in per_step], width=0.4, color=color,
+             [c[kind]["skips"] for c in per_step], width=0.4, color=color,
              label=f"user {kind}: {total['skips']} SKIPs, "
                    f"{total['justified']} justified")
     ax.set(title=os.path.join(*pathlib.Path(run).parts[-2:]), xlabel="step",
@@ -200,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(args.output, "w", encoding="utf-8") as f:
       json.dump(counts, f, indent=1)
   if args.plot:
-    plot(runs, kinds, args.plot)
+    plot(runs, kinds, counts, args.plot)
   return 0
 
 

@@ -324,7 +324,7 @@ class Trainer:
     self.checkpointer = Checkpointer.for_workdir(workdir, config.checkpoint)
     self.key = jax.random.key(config.seed)
     self.loop = {"step": 0, "snapshot_version": 0, "snapshot_epoch": 0}
-    # The last step's rollouts, one record each (`rl.log_rollouts`).
+    # The last step's rollouts, one record each (with `rl.log_rollouts`).
     self.rollout_records: list[dict[str, Any]] = []
     restored = self.checkpointer.restore(self.learner.params,
                                          self.learner.opt_state, self.key)
@@ -497,7 +497,7 @@ class Trainer:
         sample_s=sample_s, reward_s=reward_s,
         sessions=[f"{self.dialogues[r.dialogue].dialogue_id}/{r.session}"
                   for r in refs])
-    self.rollout_records = [
+    self.rollout_records = [] if not self.config.rl.log_rollouts else [
         {"session": metrics["sessions"][i // self.group],
          "session_id": episodes[i // self.group].session.session_id,
          "rollout": i % self.group, "advantage": float(advantages[i]),
