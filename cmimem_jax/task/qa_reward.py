@@ -29,7 +29,8 @@ QAResult = tuple[float, dict[MemoryType, int]]
 
 class PendingQA:
   """A rollout's `r_QA` whose answer and judge calls are in flight:
-  `wait` returns `(r_QA, retrievals per type)` and counts the failures."""
+  `wait` returns `(r_QA, retrievals per type)` (the failures counted on
+  the first `wait`)."""
 
   def __init__(self, reward: QAReward, counts: dict[MemoryType, int],
                scores: Sequence[float | None] = (),
@@ -38,14 +39,15 @@ class PendingQA:
     self._scores, self._calls = list(scores), list(calls)
 
   def wait(self) -> QAResult:
-    scores = self._scores
     if self._calls:
       outcomes = [f.result() for f in self._calls]
       answered = [o for o in outcomes if o.answer.ok]
-      scores = [o.verdict[0] for o in answered if o.verdict[0] is not None]
+      self._scores = [o.verdict[0] for o in answered
+                      if o.verdict[0] is not None]
       self._reward.failures["answer"] += len(outcomes) - len(answered)
-      self._reward.failures["judge"] += len(answered) - len(scores)
+      self._reward.failures["judge"] += len(answered) - len(self._scores)
       self._calls = []
+    scores = self._scores
     return (float(np.mean(scores)) if scores else 0.0), self._counts
 
 
