@@ -6,6 +6,8 @@ programs on a TPU topology (or fake CPU devices).
   python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=cpu:8 \
       --mesh=fsdp:4,tensor:2 --length=4096 --batch=1,2 --budgets=16,32
   python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8 --run
+  python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8 \
+      --run --concurrency=8,32,64 --call_latency_s=3
   python tools/plan.py --config=configs/qwen3_4b_h20_vllm.py \
       --topology=v5p-16 --chip=h20 --run
 
@@ -50,17 +52,24 @@ micro-batch's rows; a decoding wave's sessions) and adds, with `run_cost`
 (pure arithmetic, tested on its own), per step: the rollout (each wave's
 prefill, then `max_new_tokens` decoding steps that read the weights and
 the whole KV cache: HBM-bound), the rewards (one CMI kernel call; the
-answer-model and judge calls of every rollout, one after another as
-`score_rollouts` makes them, at `--call_latency_s`), vLLM's old log-probs
-recomputed (one forward per micro-batch) and the `rl.micro_batches` train
-calls; times the steps (`rl.epochs` passes over the sessions at
-`rl.sessions_per_batch` a step; the sessions from the split's question
-ids x `LONGMEMEVAL_SESSIONS_PER_DIALOGUE`, or `--sessions`). It prints a
-`run` JSON line (`steps`, `per_step`, `step_s`, `hours`, `chip_hours`,
-`fits`, `assumptions`: each number's derivation) and the same as a table
-on stderr. `--chip` prices the same programs on another chip's published
-figures (`h20`: compiled for the 8 devices of a v5p-16, since there is no
-GPU compiler here) or on this machine's measured ones (`host`).
+answer-model and judge calls of every rollout all in flight at each
+endpoint's concurrency, a verdict asked as soon as its answer arrives, as
+`task.episode.RolloutScorer` sends them: `endpoint_rounds` rounds of
+`--call_latency_s`, after the last decoding wave; the attribution weights
+of every rollout, measured on this host), vLLM's old log-probs recomputed
+(one forward per micro-batch) and the `rl.micro_batches` train calls (with
+`rl.share_prompts`, each prompt's FLOPs once for its rows:
+`shared_train_cost`); times the steps (`rl.epochs` passes over the
+sessions at `rl.sessions_per_batch` a step; the sessions from the split's
+question ids x `LONGMEMEVAL_SESSIONS_PER_DIALOGUE`, or `--sessions`). It
+prints a `run` JSON line per `--concurrency` (`steps`, `per_step`,
+`step_s`, `hours`, `chip_hours`, `fits`, `endpoint`: the concurrency,
+latency and overlap assumed, `assumptions`: each number's derivation)
+and the same as a table on stderr. `--chip` prices the same programs on
+another chip's published figures (`h20`: compiled for the 8 devices of a
+v5p-16, since there is no GPU compiler here) or on this machine's
+measured ones (`host`). `tools/scoring_check.py` checks the scoring
+stage's model against a measured CPU step.
 
 Checked on this CPU against `configs/default.py`'s measured GRPO step
 (`--topology=cpu:1 --preset=smollm2_135m --chip=host`; BENCHMARKS.md,

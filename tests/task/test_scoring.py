@@ -227,3 +227,20 @@ def test_a_batch_only_answer_model_answers_each_rollout_in_one_call(step):
                               RewardComputer(ENCODER))
   assert len(qa.answerer.calls) == len(texts) - 1  # The invalid one: none.
   assert all(t.qa == 0.0 for t in terms)  # No gold says "May 2023".
+
+
+@pytest.mark.slow
+def test_the_plans_scoring_model_against_a_measured_training_step():
+  """`tools/scoring_check.py`: GRPO steps of configs/tiny.py with the LLM
+  judge on latency stand-ins; the scoring stage the trainer measured
+  (after the first step, which compiles the CMI kernel) is the plan's
+  `(ceil(N / C) + 1) x L` plus host work, far below the serial `2R x L`."""
+  import scoring_check
+  rows = scoring_check.main(["--latency_s=0.1", "--concurrency=4",
+                             "--steps=2"])
+  assert [r["step"] for r in rows] == [1, 2]
+  second = rows[1]
+  assert second["answer_calls"] > 4 * second["concurrency"]
+  assert second["peak_in_flight"] == [4, 4]
+  assert second["model_s"] <= second["measured_s"] <= 1.3 * second["model_s"]
+  assert second["measured_s"] < 0.7 * second["serial_s"]
