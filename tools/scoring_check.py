@@ -59,7 +59,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     command = [sys.executable, "-m", "cmimem_jax.train",
                f"--config={ROOT}/configs/tiny.py", f"--workdir={workdir}",
                *(f"--config.{k}={v}" for k, v in overrides.items())]
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    # One CPU device, as the command runs outside a test's fake devices.
+    xla_flags = " ".join(
+        flag for flag in os.environ.get("XLA_FLAGS", "").split()
+        if "xla_force_host_platform_device_count" not in flag)
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=xla_flags)
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True,
                           text=True)
     if done.returncode:
