@@ -150,7 +150,9 @@ def training() -> ml_collections.ConfigDict:
       "answer": endpoint(), "judge_endpoint": endpoint()})
   config.rl = ml_collections.ConfigDict({
       "sessions_per_batch": 32, "epochs": 5, "max_steps": 0,
-      "micro_batches": 32, "learning_rate": 1e-6, "warmup_steps": 0,
+      # 8 micro-batches of 4 sessions: on a v5p-8 each chip packs one
+      # session's prompt and its 8 rollouts (share_prompts below).
+      "micro_batches": 8, "learning_rate": 1e-6, "warmup_steps": 0,
       "grad_clip_norm": 1.0, "kl_beta": 0.02,
       "epsilon_low": 0.2, "epsilon_high": 0.2, "logprob_chunk": 1024,
       # MemBuilder's run (its script runs on verl 0.4.0, no pin): AdamW
@@ -163,10 +165,13 @@ def training() -> ml_collections.ConfigDict:
       # (verl's default, MemBuilder's run); sequence_mean: per-sequence
       # means averaged (the GRPO paper).
       "loss_aggregation": "token_mean",
-      # Whole rows: shared prompts attend through an XLA `[T, Tp]` score
-      # block per row and head (20k x 6k here), not splash / cuDNN; the
-      # plan (tools/plan.py) is proven for whole rows.
-      "share_prompts": False,
+      # Each session's prompt runs once for its rollouts (exact): on TPU
+      # the splash kernel over packed [prompt; rollout 1; ...; rollout 8]
+      # sequences, 0.4 of whole rows' FLOPs here; compiled for a v5p-8 at
+      # 62.4 GiB a chip (BENCHMARKS.md "Shared prompts on TPU"). Elsewhere
+      # an XLA [T, Tp + T] score block per row and head: the GPU config
+      # keeps whole rows.
+      "share_prompts": True,
       # M_{t-1} of each session: a directory of fixed expert states (the
       # paper's data "synthesized by deepseek-v4-pro following Shen et al.
       # (2026)": tools/build_expert_states.py), or "policy" (built by the

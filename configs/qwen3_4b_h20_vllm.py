@@ -26,6 +26,10 @@ def get_config() -> ml_collections.ConfigDict:
   # The paper base's buckets pad the learner's rows (a few compiled train
   # steps); vLLM itself generates from the unpadded prompts.
   config.rollout.engine = "vllm"
+  # Whole rows, one per GPU a micro-batch: the shared-prompt update's
+  # attention is an XLA [T, Tp + T] score block off TPU (cuDNN takes no
+  # shared prefix).
+  config.rl.update({"micro_batches": 32, "share_prompts": False})
   config.rollout.vllm = {"tensor_parallel_size": 1,
                          "gpu_memory_utilization": 0.35,
                          "max_model_len": 26000, "dtype": "bfloat16"}

@@ -70,6 +70,11 @@ def test_cmi_scenarios_agree_with_peers(own_devices_env):
     assert _positive(row["speedup_vs_torch_batched"])
 
 
+def test_offsets_agree_with_prefix_decoding(own_devices_env):
+  (row,) = _bench(own_devices_env, "offsets", "--tokens=400", "--reps=1")
+  assert row["tokens"] == 400 and _positive(row["speedup"])
+
+
 TUNIX_DIR = ROOT / ".tunix"
 
 

@@ -52,13 +52,14 @@ def test_plan_reports_memory_and_fit_for_a_sharded_mesh():
 @pytest.mark.slow
 def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
   pytest.importorskip("libtpu", reason="the TPU extra is not installed")
-  # --run: the programs at the run's rows per chip (2 training rows; 4
-  # sessions a decoding wave), then the run's line.
-  *rows, run = plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py",
-                          "--topology=v5p-8", "--layers=1", "--length=128",
-                          "--completion=32", "--run"])
+  # --run: the programs at the run's rows per chip (8 training rows; 4
+  # sessions a decoding wave), then the run's line per concurrency.
+  *rows, run, run_32 = plan.main([
+      f"--config={ROOT}/configs/qwen3_4b_tpu.py", "--topology=v5p-8",
+      "--layers=1", "--length=128", "--completion=32", "--run",
+      "--concurrency=8,32"])
   assert [(r["program"], r["rows_per_chip"]) for r in rows] == [
-      ("train", 2), ("rollout_prefill", 4), ("rollout_decode", 4)]
+      ("train", 8), ("rollout_prefill", 4), ("rollout_decode", 4)]
   for row in rows:
     assert row["device_kind"] == "TPU v5" and row["devices"] == 4
     assert row["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
@@ -88,15 +89,29 @@ def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
     return max(row["model_tflops"] / 459,
                row["model_bytes_gib"] * plan.GIB / 2765e9)
 
-  # The programs' roofline seconds, times their calls in a step: 32
-  # micro-batches; 2 waves of a prefill and 32 decoded tokens.
-  assert per_step["train_s"] == pytest.approx(32 * roofline(train), rel=1e-2)
+  # The programs' roofline seconds, times their calls in a step: 8
+  # micro-batches, each session's prompt once for its 8 rollouts
+  # (rl.share_prompts); 2 waves of a prefill and 32 decoded tokens.
+  shared_tflops, shared_bytes = plan.shared_train_cost(
+      preset("qwen3_4b", num_hidden_layers=1, dtype="bfloat16"), 8, 128, 32,
+      5, 8)
+  assert run["prompt_group"] == 8
+  assert per_step["train_s"] == pytest.approx(8 * max(
+      shared_tflops / 459e12, shared_bytes / 2765e9), rel=1e-2)
+  assert per_step["train_s"] < 8 * roofline(train)
   assert per_step["rollout_prefill_s"] == pytest.approx(
       2 * roofline(prefill), rel=1e-2)
   assert per_step["rollout_decode_s"] == pytest.approx(
       2 * 32 * roofline(decode), rel=1e-2)
-  # 256 rollouts x (answers, verdicts) x 3 s; the JAX sampler's log-probs.
-  assert per_step["reward_endpoint_s"] == 256 * 2 * 3.0
+  # 256 rollouts x 5 questions at 8 calls in flight, the last verdicts a
+  # round later, 3 s a round; the JAX sampler's log-probs.
+  assert per_step["reward_endpoint_s"] == (1280 / 8 + 1) * 3.0
+  assert run["endpoint"]["answer_concurrency"] == 8
+  assert run["endpoint"]["call_latency_s"] == 3.0
+  assert "in flight together" in run["endpoint"]["overlap"]
+  assert run_32["per_step"]["reward_endpoint_s"] == (1280 / 32 + 1) * 3.0
+  assert run_32["endpoint"]["judge_concurrency"] == 32
+  assert 0 < per_step["reward_host_s"] < 256 * 0.05
   assert per_step["recompute_logprobs_s"] == 0
   assert run["step_s"] == pytest.approx(sum(per_step.values()), abs=1e-2)
   assert set(run["assumptions"]) == {*per_step, "steps", "step_s", "hours",
@@ -153,7 +168,7 @@ def test_plan_compiles_the_cmi_kernel_for_a_v5p_8():
 SHAPE = plan.RunShape(
     sessions=100, epochs=3, sessions_per_step=8, max_steps=0, rollouts=4,
     micro_batches=2, completion_tokens=10, waves=2, endpoint_rounds=3,
-    call_latency_s=0.5, chips=4)
+    call_latency_s=0.5, chips=4, host_s=0.75)
 SECONDS = {"rollout_prefill": 1.0, "rollout_decode": 0.1, "train": 5.0,
            "recompute": 0.25, "cmi_kernel": 0.5}
 
@@ -166,12 +181,13 @@ def test_run_cost_adds_every_stage_of_every_step():
       "rollout_prefill_s": 2 * 1.0,             # waves x a wave's prefill
       "rollout_decode_s": 2 * 10 * 0.1,         # waves x tokens x a token
       "reward_cmi_s": 0.5,
-      "reward_endpoint_s": 8 * 4 * 3 * 0.5,     # rollouts x rounds x latency
+      "reward_endpoint_s": 3 * 0.5,             # rounds x latency
+      "reward_host_s": 0.75,
       "recompute_logprobs_s": 2 * 0.25,         # micro-batches x a forward
       "train_s": 2 * 5.0}                       # micro-batches x a call
-  assert run["step_s"] == 63.0
-  assert run["hours"] == round(38 * 63.0 / 3600, 3)
-  assert run["chip_hours"] == round(38 * 63.0 / 3600 * 4, 3)
+  assert run["step_s"] == 17.25
+  assert run["hours"] == round(38 * 17.25 / 3600, 3)
+  assert run["chip_hours"] == round(38 * 17.25 / 3600 * 4, 3)
   # max_steps overrides the passes.
   capped = plan.run_cost(plan.dataclasses.replace(SHAPE, max_steps=5),
                          SECONDS)
@@ -195,14 +211,15 @@ def _config(name: str, **rl):
 
 def test_run_layout_sessions_and_endpoint_rounds_of_the_paper_configs():
   tpu, h20 = _config("qwen3_4b_tpu.py"), _config("qwen3_4b_h20_vllm.py")
-  # 32 sessions x 8 rollouts, 32 micro-batches; the TPU decodes 128 rows
-  # (16 sessions) a wave, vLLM every row at once.
-  assert plan.run_layout(tpu, 4) == {"train": 2, "rollout_prefill": 4,
+  # 32 sessions x 8 rollouts, 8 micro-batches on the TPU (32 on the
+  # H20s); the TPU decodes 128 rows (16 sessions) a wave, vLLM every row
+  # at once.
+  assert plan.run_layout(tpu, 4) == {"train": 8, "rollout_prefill": 4,
                                      "rollout_decode": 4, "waves": 2}
   assert plan.run_layout(h20, 8) == {"train": 1, "rollout_prefill": 4,
                                      "rollout_decode": 4, "waves": 1}
   # Shares that do not divide round up.
-  assert plan.run_layout(tpu, 3)["train"] == 3
+  assert plan.run_layout(tpu, 3)["train"] == 11
   # The RL split's 50 dialogues x 48 sessions (Table 5: ~2,400), less the
   # held-out ones; --sessions replaces the count.
   assert plan.run_sessions(tpu, 0)[0] == 2400
@@ -211,11 +228,35 @@ def test_run_layout_sessions_and_endpoint_rounds_of_the_paper_configs():
   assert plan.run_sessions(tpu, 640) == (640, "--sessions=640")
   with pytest.raises(SystemExit, match="--sessions"):
     plan.run_sessions(_config("default.py"), 0)
-  # 5 questions answered (concurrency 8: one round), then judged (one).
-  assert plan.endpoint_rounds(tpu, 5) == 2
+  # 256 rollouts x 5 questions, 8 in flight, the last verdicts a round
+  # later; the slower endpoint decides; --concurrency sets both.
+  assert plan.endpoint_rounds(tpu, 256, 5) == 160 + 1
   tpu.qa.answer.concurrency = 2
-  assert plan.endpoint_rounds(tpu, 5) == 3 + 1
-  assert plan.endpoint_rounds(_config("tiny.py"), 5) == 0
+  assert plan.endpoint_rounds(tpu, 256, 5) == 640 + 1
+  assert plan.endpoint_rounds(tpu, 256, 5, concurrency=32) == 40 + 1
+  assert plan.endpoint_rounds(_config("tiny.py"), 256, 5) == 0
+  # The learner's rows per shared prompt: a session's 8 rollouts split
+  # into micro-batches x chips (rl.shared_prompt_group's rule).
+  assert plan.learner_prompt_group(tpu, 4) == 8
+  tpu.rl.micro_batches = 32
+  assert plan.learner_prompt_group(tpu, 4) == 2
+  tpu.rl.share_prompts = False
+  assert plan.learner_prompt_group(tpu, 4) == 1
+
+
+def test_shared_train_cost_counts_each_prompt_once():
+  c = preset("qwen3_4b")
+  whole = plan.step_cost(c, "train", 8, 26000, 6000, 5, 1)
+  shared = plan.shared_train_cost(c, 8, 26000, 6000, 5, 8)
+  assert plan.shared_train_cost(c, 8, 26000, 6000, 5, 1) == whole
+  assert shared[1] == whole[1]  # The same weights read per pass.
+  # 20k-token prompts, 6k-token responses: about 0.4 of the FLOPs.
+  assert 0.35 < shared[0] / whole[0] < 0.45
+
+
+def test_host_seconds_measures_the_attribution_weights():
+  seconds, how = plan.host_seconds(4, 2000)
+  assert 0 < seconds < 4 * 0.05 and "4 rollouts" in how
 
 
 def test_host_chip_measures_this_machine():

@@ -4,6 +4,7 @@
   python tools/bench.py forward|generate [--models=qwen3_0p6b,smollm2_135m]
   python tools/bench.py train_step [--model=smollm2_135m --layers=8]
   python tools/bench.py grpo_step [--prompts=4 --group=4 --new_tokens=64]
+  python tools/bench.py offsets [--tokens=6000]
 
 Prints one JSON line per case. Every speedup is peer time / our time, each
 the best of `--reps` timed runs after a warm-up (compile excluded; compile
@@ -26,6 +27,10 @@ Scenarios:
             Hugging Face TRL's `GRPOTrainer` (the `bench` extra) with the
             same prompts, weights, group size, token budget, sampling
             settings, loss aggregation, optimizer and float32.
+  offsets   a response's attribution offsets (`task.episode.
+            token_char_offsets`, incremental detokenization) against the
+            prefix decoding it replaced (`prefix_char_offsets`), SmolLM2's
+            tokenizer, a DSL response with multi-byte text.
 """
 
 from __future__ import annotations
@@ -123,6 +128,11 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
   grpo.add_argument("--peers", default="trl",
                     help="comma-separated: trl (the `bench` extra), tunix "
                     "(installed as BENCHMARKS.md says)")
+  offsets = sub.add_parser("offsets", help="attribution offsets of a "
+                           "response vs prefix decoding")
+  offsets.add_argument("--tokens", type=int, default=6000)
+  offsets.add_argument("--reps", type=int, default=3)
+  offsets.add_argument("--devices", type=int, default=1)
   return parser.parse_args(argv)
 
 
@@ -952,6 +962,30 @@ def run_grpo_step() -> None:
   print(json.dumps(line), flush=True)
 
 
+def run_offsets() -> None:
+  """`token_char_offsets` against `prefix_char_offsets` on one response."""
+  from cmimem_jax.sampling import ChatPolicy, load_tokenizer
+  from cmimem_jax.task.episode import prefix_char_offsets, token_char_offsets
+  policy = ChatPolicy.__new__(ChatPolicy)  # Its decoding needs no model.
+  policy.tokenizer = load_tokenizer("")
+  line = ("EPISODIC:ADD|2023-05-08: café with Zoë 😀, naïve 北京\n"
+          "SEMANTIC:ADD|Rex - Pet: a 3-year-old beagle\n")
+  tokens = policy.tokenizer.encode(line * (1 + ARGS.tokens // 20),
+                                   add_special_tokens=False)[:ARGS.tokens]
+  ours = token_char_offsets(policy.decode, tokens, policy.decode_each)
+  start = time.perf_counter()
+  peer = prefix_char_offsets(policy.decode, tokens)
+  peer_s = time.perf_counter() - start  # One run: seconds per run.
+  if ours != peer:
+    raise SystemExit("error: the offsets differ from prefix decoding")
+  ours_s = best_time(lambda: token_char_offsets(
+      policy.decode, tokens, policy.decode_each), ARGS.reps)
+  print(json.dumps({"case": "offsets", "tokens": len(tokens),
+                    "ours_s": round(ours_s, 5),
+                    "prefix_decoding_s": round(peer_s, 3),
+                    "speedup": round(peer_s / ours_s, 1)}), flush=True)
+
+
 def transformers_logging() -> None:
   """Quiet the peer's INFO / progress output."""
   import transformers
@@ -961,4 +995,5 @@ def transformers_logging() -> None:
 
 if __name__ == "__main__":
   {"cmi": run_cmi, "forward": run_forward, "generate": run_generate,
-   "train_step": run_train_step, "grpo_step": run_grpo_step}[ARGS.command]()
+   "train_step": run_train_step, "grpo_step": run_grpo_step,
+   "offsets": run_offsets}[ARGS.command]()

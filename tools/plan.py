@@ -6,6 +6,8 @@ programs on a TPU topology (or fake CPU devices).
   python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=cpu:8 \
       --mesh=fsdp:4,tensor:2 --length=4096 --batch=1,2 --budgets=16,32
   python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8 --run
+  python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8 \
+      --run --concurrency=8,32,64 --call_latency_s=3
   python tools/plan.py --config=configs/qwen3_4b_h20_vllm.py \
       --topology=v5p-16 --chip=h20 --run
 
@@ -50,17 +52,24 @@ micro-batch's rows; a decoding wave's sessions) and adds, with `run_cost`
 (pure arithmetic, tested on its own), per step: the rollout (each wave's
 prefill, then `max_new_tokens` decoding steps that read the weights and
 the whole KV cache: HBM-bound), the rewards (one CMI kernel call; the
-answer-model and judge calls of every rollout, one after another as
-`score_rollouts` makes them, at `--call_latency_s`), vLLM's old log-probs
-recomputed (one forward per micro-batch) and the `rl.micro_batches` train
-calls; times the steps (`rl.epochs` passes over the sessions at
-`rl.sessions_per_batch` a step; the sessions from the split's question
-ids x `LONGMEMEVAL_SESSIONS_PER_DIALOGUE`, or `--sessions`). It prints a
-`run` JSON line (`steps`, `per_step`, `step_s`, `hours`, `chip_hours`,
-`fits`, `assumptions`: each number's derivation) and the same as a table
-on stderr. `--chip` prices the same programs on another chip's published
-figures (`h20`: compiled for the 8 devices of a v5p-16, since there is no
-GPU compiler here) or on this machine's measured ones (`host`).
+answer-model and judge calls of every rollout all in flight at each
+endpoint's concurrency, a verdict asked as soon as its answer arrives, as
+`task.episode.RolloutScorer` sends them: `endpoint_rounds` rounds of
+`--call_latency_s`, after the last decoding wave; the attribution weights
+of every rollout, measured on this host), vLLM's old log-probs recomputed
+(one forward per micro-batch) and the `rl.micro_batches` train calls (with
+`rl.share_prompts`, each prompt's FLOPs once for its rows:
+`shared_train_cost`); times the steps (`rl.epochs` passes over the
+sessions at `rl.sessions_per_batch` a step; the sessions from the split's
+question ids x `LONGMEMEVAL_SESSIONS_PER_DIALOGUE`, or `--sessions`). It
+prints a `run` JSON line per `--concurrency` (`steps`, `per_step`,
+`step_s`, `hours`, `chip_hours`, `fits`, `endpoint`: the concurrency,
+latency and overlap assumed, `assumptions`: each number's derivation)
+and the same as a table on stderr. `--chip` prices the same programs on
+another chip's published figures (`h20`: compiled for the 8 devices of a
+v5p-16, since there is no GPU compiler here) or on this machine's
+measured ones (`host`). `tools/scoring_check.py` checks the scoring
+stage's model against a measured CPU step.
 
 Checked on this CPU against `configs/default.py`'s measured GRPO step
 (`--topology=cpu:1 --preset=smollm2_135m --chip=host`; BENCHMARKS.md,
@@ -183,6 +192,14 @@ def _args(argv):
   parser.add_argument("--call_latency_s", type=float, default=3.0,
                       help="--run: seconds of one answer-model or judge "
                       "call at the endpoint")
+  parser.add_argument("--concurrency", default="",
+                      help="--run: answer and judge calls in flight per "
+                      "endpoint, comma separated: a run line each "
+                      "(default: the config's qa.answer / "
+                      "qa.judge_endpoint concurrency)")
+  parser.add_argument("--host_s_per_rollout", type=float, default=-1.0,
+                      help="--run: host seconds per rollout (default -1: "
+                      "measure the attribution weights here)")
   parser.add_argument("--cmi_ops", type=int, default=10,
                       help="--run: scored memory operations per rollout")
   parser.add_argument("--chip", default="",
@@ -327,11 +344,15 @@ class RunShape:
   micro_batches: int
   completion_tokens: int
   waves: int
-  # Sequential rounds of endpoint calls per rollout (answers, then
-  # verdicts; 0 without the LLM judge) and one round's seconds.
+  # Rounds of endpoint calls in a step's scoring stage (`endpoint_rounds`:
+  # every call of the step in flight, 0 without the LLM judge) and one
+  # round's seconds.
   endpoint_rounds: int
   call_latency_s: float
   chips: int
+  # Host seconds of a step outside the endpoints (measured: the
+  # attribution weights of every rollout, `host_seconds`).
+  host_s: float = 0.0
 
   @property
   def steps(self) -> int:
@@ -347,16 +368,16 @@ def run_cost(shape: RunShape, seconds: dict[str, float]) -> dict:
   "rollout_decode" (one token of one wave's rows), "train" (one
   micro-batch), "recompute" (one micro-batch's forward for old log-probs;
   0 where the sampler gives them) and "cmi_kernel" (a step's CMI terms).
-  The loop runs its stages one after another, so a step is their sum;
-  `hours` the steps' total, `chip_hours` that times the chips held."""
-  rollouts = shape.sessions_per_step * shape.rollouts
+  The loop runs its stages one after another (the scoring stage's calls
+  overlap each other, not the decoding or the update), so a step is their
+  sum; `hours` the steps' total, `chip_hours` that times the chips held."""
   per_step = {
       "rollout_prefill_s": shape.waves * seconds["rollout_prefill"],
       "rollout_decode_s": (shape.waves * shape.completion_tokens
                            * seconds["rollout_decode"]),
       "reward_cmi_s": seconds["cmi_kernel"],
-      "reward_endpoint_s": (rollouts * shape.endpoint_rounds
-                            * shape.call_latency_s),
+      "reward_endpoint_s": shape.endpoint_rounds * shape.call_latency_s,
+      "reward_host_s": shape.host_s,
       "recompute_logprobs_s": shape.micro_batches * seconds["recompute"],
       "train_s": shape.micro_batches * seconds["train"]}
   step_s = sum(per_step.values())
@@ -383,16 +404,63 @@ def run_layout(config, chips: int) -> dict[str, int]:
           "waves": -(-rl.sessions_per_batch // prompts)}
 
 
-def endpoint_rounds(config, questions: int) -> int:
-  """Sequential endpoint rounds per rollout: `QAReward` answers a
-  rollout's questions (at most `concurrency` in flight), then judges the
-  answers; `score_rollouts` takes the rollouts one after another. 0
-  without the LLM judge."""
+def endpoint_concurrency(config, concurrency: int = 0) -> tuple[int, int]:
+  """(answer, judge) calls in flight at their endpoints: `concurrency`
+  for both, or the config's `qa.answer` / `qa.judge_endpoint`."""
   qa = config.qa
-  if qa.judge != "llm":
+  if concurrency:
+    return concurrency, concurrency
+  return qa.answer.concurrency, qa.judge_endpoint.concurrency
+
+
+def endpoint_rounds(config, rollouts: int, questions: int,
+                    concurrency: int = 0) -> int:
+  """Rounds of endpoint calls in a step's scoring stage
+  (`task.episode.RolloutScorer`): every rollout's answer calls are sent
+  at once, at most `concurrency` in flight per endpoint
+  (`endpoint_concurrency`), and each answer's judge call as soon as it
+  arrives, so N = rollouts x questions answers take ceil(N / C_answer)
+  rounds and the verdicts end one round after the last answer (or, with
+  a slower judge, ceil(N / C_judge) rounds after the first): ceil(N /
+  min(C_answer, C_judge)) + 1. Every rollout valid (an invalid one asks
+  nothing). 0 without the LLM judge."""
+  if config.qa.judge != "llm":
     return 0
-  return (-(-questions // qa.answer.concurrency)
-          + -(-questions // qa.judge_endpoint.concurrency))
+  return -(-rollouts * questions // min(endpoint_concurrency(
+      config, concurrency))) + 1
+
+
+def host_seconds(rollouts: int, response_tokens: int) -> tuple[float, str]:
+  """(seconds, how) of a step's host work that scales with the responses,
+  measured here: each rollout's attribution weights
+  (`task.episode.attribution_weights`: incremental detokenization and a
+  binary search over the lines) for a DSL response of `response_tokens`
+  tokens, in the embedded SmolLM2 tokenizer (a byte-level BPE, as
+  Qwen3's), best of 3, times the rollouts."""
+  from cmimem_jax.sampling import ChatPolicy, load_tokenizer
+  from cmimem_jax.task.episode import attribution_weights
+  policy = ChatPolicy.__new__(ChatPolicy)  # Its decoding needs no model.
+  policy.tokenizer = load_tokenizer("")
+  line = "EPISODIC:ADD|2023-05-08: the user walked Rex, a beagle, at 7 am\n"
+  text = line * (1 + response_tokens // 8)
+  tokens = policy.tokenizer.encode(text, add_special_tokens=False)[
+      :response_tokens]
+  spans, start = [], 0
+  for piece in text.split("\n"):
+    spans.append(((start, start + len(piece)), 2.0))
+    start += len(piece) + 1
+  terms = type("Terms", (), {"line_weights": spans})
+  times = []
+  for _ in range(3):
+    begin = time.perf_counter()
+    attribution_weights(terms, policy.decode, tokens, response_tokens,
+                        policy.decode_each)
+    times.append(time.perf_counter() - begin)
+  one = min(times)
+  return rollouts * one, (f"{rollouts} rollouts x {one * 1e3:.1f} ms: "
+                          f"attribution weights of a {response_tokens}-token "
+                          "response, measured on this host (SmolLM2's "
+                          "tokenizer), serial after the scoring stage")
 
 
 def run_sessions(config, sessions: int) -> tuple[int, str]:
@@ -471,12 +539,48 @@ def _pass_names(model_config, rl) -> list[str]:
           + (["KL reference forward"] if rl.kl_beta > 0 else []))
 
 
+def learner_prompt_group(config, chips: int) -> int:
+  """Rows per shared prompt in the run's updates (`rl.share_prompts`):
+  what `rl.shared_prompt_group` finds in a step's batch (each session's
+  rollouts share its prompt) split into `rl.micro_batches` x `chips`
+  parts (an FSDP mesh); 1 without sharing."""
+  rl, rollouts = config.rl, config.rollout.num_rollouts
+  if not rl.share_prompts:
+    return 1
+  rows = rl.sessions_per_batch * rollouts
+  return next((g for g in range(rollouts, 1, -1) if rollouts % g == 0
+               and (rows // g) % (rl.micro_batches * chips) == 0), 1)
+
+
+def shared_train_cost(c, rows: int, length: int, completion: int,
+                      passes: int, group: int) -> tuple[float, float]:
+  """`step_cost`'s "train" when each prompt runs once for its `group`
+  rows (`Qwen3.shared_prompt_hidden_states`): rows / group prompts of
+  `length - completion` tokens (causal), and the rows' `completion`
+  tokens each over its prompt and itself."""
+  if group == 1:
+    return step_cost(c, "train", rows, length, completion, passes, 1)
+  q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+  hid = c.hidden_size
+  layer = 2 * (hid * q + 2 * hid * kv + q * hid + 3 * hid * c.intermediate_size)
+  pair = 4 * c.num_attention_heads * c.head_dim  # Per (query, key).
+  prompt, prompts = length - completion, rows / group
+  flops = passes * c.num_hidden_layers * (
+      prompts * (layer * prompt + pair * prompt * prompt / 2)
+      + rows * (layer * completion
+                + pair * completion * (prompt + completion / 2)))
+  flops += (passes - 1) * rows * completion * 2 * hid * c.vocab_size
+  return flops, step_cost(c, "train", rows, length, completion, passes, 1)[1]
+
+
 def _run(args, config, model_config, chip: Chip, layout: dict[str, int],
          seconds: dict[str, float], compiled: list[dict], passes: int,
-         length: int, completion: int) -> dict:
-  """The `run` line of `--run`: `run_cost` of the compiled programs'
-  roofline seconds, the CMI kernel's and the old log-probs' recompute
-  from the same model count, every assumption beside its number."""
+         length: int, completion: int) -> list[dict]:
+  """The `run` lines of `--run`, one per `--concurrency`: `run_cost` of
+  the compiled programs' roofline seconds (the train program's FLOPs
+  with `rl.share_prompts`' sharing), the CMI kernel's and the old
+  log-probs' recompute from the same model count, the measured host
+  work, every assumption beside its number."""
   rl, rollout = config.rl, config.rollout
   chips = compiled[0]["devices"]
   sessions, source = run_sessions(config, args.sessions)
@@ -486,64 +590,95 @@ def _run(args, config, model_config, chip: Chip, layout: dict[str, int],
   cmi_rows = -(-rollouts * args.cmi_ops // chips)
   seconds["cmi_kernel"] = roofline(step_cost(
       model_config, "cmi_kernel", cmi_rows, n, d, passes, 1), chip)[0]
+  group = learner_prompt_group(config, chips)
+  seconds["train"] = roofline(shared_train_cost(
+      model_config, layout["train"], length, completion, passes, group),
+      chip)[0]
   vllm = rollout.engine == "vllm"
   # vLLM's log-probs are not the learner's: one forward per micro-batch.
   seconds["recompute"] = seconds["train"] / passes if vllm else 0.0
-  rounds = endpoint_rounds(config, QA_PER_SESSION)
-  shape = RunShape(sessions, max(1, rl.epochs), rl.sessions_per_batch,
-                   rl.max_steps, rollout.num_rollouts, rl.micro_batches,
-                   completion, layout["waves"], rounds, args.call_latency_s,
-                   chips)
-  run = run_cost(shape, seconds)
+  host_s, host_how = (host_seconds(rollouts, completion)
+                      if args.host_s_per_rollout < 0 else
+                      (rollouts * args.host_s_per_rollout,
+                       f"{rollouts} rollouts x {args.host_s_per_rollout} s "
+                       "(--host_s_per_rollout)"))
   prompt = length - completion
   steps = (f"rl.max_steps={rl.max_steps}" if rl.max_steps else
-           f"ceil({shape.epochs} epochs x {sessions} sessions / "
+           f"ceil({max(1, rl.epochs)} epochs x {sessions} sessions / "
            f"{rl.sessions_per_batch} per step)")
-  qa = config.qa
-  assumptions = {
-      "steps": f"{steps}; sessions: {source}",
-      "rollout_prefill_s": (
-          f"{layout['waves']} waves x {seconds['rollout_prefill']:.4g} s: "
-          f"{layout['rollout_prefill']} prompts/chip of {prompt} tokens"),
-      "rollout_decode_s": (
-          f"{layout['waves']} waves x {completion} tokens (every rollout to "
-          f"the cap) x {seconds['rollout_decode']:.4g} s: "
-          f"{layout['rollout_decode'] * rollout.num_rollouts} rows/chip, "
-          "each step reads the weights and the whole allocated KV cache "
-          f"({prompt} shared prompt + {completion} own tokens)"),
-      "reward_cmi_s": (
-          f"{rollouts} rollouts x {args.cmi_ops} scored operations "
-          f"(--cmi_ops), N = {n}, d = {d}, float32, one kernel call"),
-      "reward_endpoint_s": (
-          f"{rollouts} rollouts one after another x {rounds} rounds "
-          f"(ceil({QA_PER_SESSION} questions / concurrency "
-          f"{qa.answer.concurrency}) answers, then ceil({QA_PER_SESSION} / "
-          f"{qa.judge_endpoint.concurrency}) verdicts) x "
-          f"{args.call_latency_s} s a call (--call_latency_s), every "
-          "rollout valid" if rounds else f"qa.judge={qa.judge}: no endpoint"),
-      "recompute_logprobs_s": (
-          f"rollout.engine=vllm: {rl.micro_batches} micro-batches x one "
-          f"forward (the train program / {passes} passes)" if vllm else
-          "0: the JAX sampler's log-probs are the old ones"),
-      "train_s": (
-          f"{rl.micro_batches} micro-batches x {seconds['train']:.4g} s: "
-          f"{layout['train']} rows/chip of {length} tokens, {passes} layer "
-          f"passes ({', '.join(_pass_names(model_config, rl))})"
-          + ("; whole rows, though rl.share_prompts runs each prompt once "
-             "per group (an upper bound)" if rl.share_prompts else "")),
-      "step_s": "the stages one after another (Trainer.step); no compile, "
-                "checkpoint, encoder or memory-edit time",
-      "hours": (f"roofline: max(model FLOPs / {chip.peak_bf16_tflops:g} "
-                f"TFLOP/s, model HBM bytes / {chip.hbm_gbytes_per_s:g} "
-                f"GB/s) per program ({chip.source}); XLA's cost_analysis "
-                "counts the scanned layer once, so FLOPs and bytes are the "
-                "model's count of each compiled program (tests/test_plan.py "
-                "checks the two agree for one layer)"),
-      "chip_hours": f"hours x {chips} chips ({args.topology}"
-                    f"{', ' + args.chip if args.chip else ''})"}
-  return {"program": "run", "config": args.config, "sessions": sessions,
-          **run, "fits": {r["program"]: r.get("fits") for r in compiled},
-          "assumptions": assumptions}
+  concurrencies = ([int(c) for c in args.concurrency.split(",")]
+                   if args.concurrency else [0])
+  runs = []
+  for concurrency in concurrencies:
+    rounds = endpoint_rounds(config, rollouts, QA_PER_SESSION, concurrency)
+    answer_c, judge_c = endpoint_concurrency(config, concurrency)
+    shape = RunShape(sessions, max(1, rl.epochs), rl.sessions_per_batch,
+                     rl.max_steps, rollout.num_rollouts, rl.micro_batches,
+                     completion, layout["waves"], rounds, args.call_latency_s,
+                     chips, host_s)
+    run = run_cost(shape, seconds)
+    llm = config.qa.judge == "llm"
+    endpoint = {
+        "answer_concurrency": answer_c if llm else None,
+        "judge_concurrency": judge_c if llm else None,
+        "call_latency_s": args.call_latency_s if llm else None,
+        "overlap": (
+            "every answer and judge call of a step in flight together, each "
+            "endpoint at its concurrency, a verdict asked as soon as its "
+            "answer arrives (task.episode.RolloutScorer); the scoring "
+            "stage starts after the last decoding wave and the update "
+            "after the last verdict (no overlap with decoding or training)"
+            if llm else "no endpoint calls")}
+    assumptions = {
+        "steps": f"{steps}; sessions: {source}",
+        "rollout_prefill_s": (
+            f"{layout['waves']} waves x {seconds['rollout_prefill']:.4g} s: "
+            f"{layout['rollout_prefill']} prompts/chip of {prompt} tokens"),
+        "rollout_decode_s": (
+            f"{layout['waves']} waves x {completion} tokens (every rollout "
+            f"to the cap) x {seconds['rollout_decode']:.4g} s: "
+            f"{layout['rollout_decode'] * rollout.num_rollouts} rows/chip, "
+            "each step reads the weights and the whole allocated KV cache "
+            f"({prompt} shared prompt + {completion} own tokens)"),
+        "reward_cmi_s": (
+            f"{rollouts} rollouts x {args.cmi_ops} scored operations "
+            f"(--cmi_ops), N = {n}, d = {d}, float32, one kernel call"),
+        "reward_endpoint_s": (
+            f"{rounds} rounds x {args.call_latency_s} s a call "
+            f"(--call_latency_s): ceil({rollouts} rollouts x "
+            f"{QA_PER_SESSION} questions / min(answer {answer_c}, judge "
+            f"{judge_c}) in flight) + 1 (the last verdicts), every rollout "
+            "valid" if rounds else f"qa.judge={config.qa.judge}: no "
+            "endpoint"),
+        "reward_host_s": host_how,
+        "recompute_logprobs_s": (
+            f"rollout.engine=vllm: {rl.micro_batches} micro-batches x one "
+            f"forward (the train program / {passes} passes)" if vllm else
+            "0: the JAX sampler's log-probs are the old ones"),
+        "train_s": (
+            f"{rl.micro_batches} micro-batches x {seconds['train']:.4g} s: "
+            f"{layout['train']} rows/chip of {length} tokens, {passes} layer "
+            f"passes ({', '.join(_pass_names(model_config, rl))})"
+            + (f"; rl.share_prompts: each prompt once for its {group} rows "
+               "(model FLOPs of the shared pass; memory and `fits` are the "
+               "compiled whole-row program's)" if group > 1 else
+               "; whole rows")),
+        "step_s": "the stages one after another (Trainer.step); no "
+                  "compile, checkpoint, encoder or memory-edit time",
+        "hours": (f"roofline: max(model FLOPs / {chip.peak_bf16_tflops:g} "
+                  f"TFLOP/s, model HBM bytes / {chip.hbm_gbytes_per_s:g} "
+                  f"GB/s) per program ({chip.source}); XLA's cost_analysis "
+                  "counts the scanned layer once, so FLOPs and bytes are "
+                  "the model's count of each compiled program "
+                  "(tests/test_plan.py checks the two agree for one layer)"),
+        "chip_hours": f"hours x {chips} chips ({args.topology}"
+                      f"{', ' + args.chip if args.chip else ''})"}
+    runs.append({"program": "run", "config": args.config,
+                 "sessions": sessions, **run, "endpoint": endpoint,
+                 "prompt_group": group,
+                 "fits": {r["program"]: r.get("fits") for r in compiled},
+                 "assumptions": assumptions})
+  return runs
 
 
 def main(argv=None) -> list[dict]:
@@ -771,11 +906,12 @@ def main(argv=None) -> list[dict]:
         rows.append(_fit(name, length, points, budgets))
         print(json.dumps(rows[-1]), flush=True)
   if args.run:
-    rows.append(_run(args, config, model_config, chip, layout, seconds,
-                     [r for r in rows if "program" in r and "topology" in r],
-                     passes, lengths[0], completion))
-    print(json.dumps(rows[-1]), flush=True)
-    print(run_table(rows[-1]), file=sys.stderr, flush=True)
+    for run in _run(args, config, model_config, chip, layout, seconds,
+                    [r for r in rows if "program" in r and "topology" in r],
+                    passes, lengths[0], completion):
+      rows.append(run)
+      print(json.dumps(run), flush=True)
+      print(run_table(run), file=sys.stderr, flush=True)
   if args.markdown:
     print(to_markdown(rows))
   return rows

@@ -9,7 +9,13 @@ test the recipe's plumbing, not an LLM's quality. A prompt it does not
 recognise gets HTTP 400, so a tool that sends an undocumented prompt fails
 the rehearsal instead of passing on a made-up answer.
 
+`--latency_s` makes every chat answer take that long and `--max_in_flight`
+caps the requests it works on at once (later ones wait for a slot, as a
+real server's batch does), so a client's concurrency is measured, not
+assumed: `GET /stats` reports the requests, those in flight and the peak.
+
   python tools/scripted_llm.py --port=8001   # serves until Ctrl-C
+  python tools/scripted_llm.py --port=8001 --latency_s=3 --max_in_flight=64
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -102,6 +109,22 @@ def _dsl(prompt: str) -> str:
   return "\n".join(lines + ["SEMANTIC:SKIP", "PROCEDURAL:SKIP"])
 
 
+def _answer(prompt: str) -> str:
+  """Listing 10: the first retrieved memory (without its date stamp), else
+  the first line of the source turns, else "Not answerable"."""
+  memories = prompt.split("Retrieved Memories:", 1)[-1]
+  first = re.search(r"^1\. (?:\[[^\]]*\] )?(.+)$", memories, re.M)
+  if first:
+    return first.group(1).strip()
+  turns = _field(prompt, r"Supporting Original Conversations:\n(.*)")
+  return turns or "Not answerable"
+
+
+# Listing 10 opens with its optional additional context: found by the line
+# after it.
+_ANSWER_OPENING = "Core Memory (User Profile):"
+
+
 def _messages_block(prompt: str) -> str:
   return prompt.split("New Messages:", 1)[-1]
 
@@ -127,6 +150,7 @@ REPLIES: dict[str, Callable[[str], str]] = {
         "content": _field(p, r"Current content:\n(.*)", "")[:1000]}),
     _opening(TEMPLATES["merge_summary"]): lambda p: _field(
         p, r"Memories to merge:\n(.*)", "merged"),
+    _ANSWER_OPENING: _answer,
 }
 
 
@@ -193,15 +217,32 @@ class LoopbackServer:
 
 class ScriptedLLM(LoopbackServer):
   """Serves in a daemon thread while inside `with ...:`; `base_url` ends in
-  `/v1`; `counts` tallies the prompts answered by kind (and "unknown")."""
+  `/v1`; `counts` tallies the prompts answered by kind (and "unknown").
 
-  def __init__(self, host: str = "127.0.0.1", port: int = 0):
+  Args:
+    latency_s: seconds each chat answer takes (slept once it has a slot).
+    max_in_flight: chat requests worked on at once (0: no cap); later ones
+      wait for a slot.
+  """
+
+  def __init__(self, host: str = "127.0.0.1", port: int = 0,
+               latency_s: float = 0.0, max_in_flight: int = 0):
+    if latency_s < 0 or max_in_flight < 0:
+      raise ValueError(f"latency_s ({latency_s}) and max_in_flight "
+                       f"({max_in_flight}) must be >= 0")
     self.counts: collections.Counter[str] = collections.Counter()
     self.lock = threading.Lock()
+    self.latency_s, self.max_in_flight = latency_s, max_in_flight
+    self.in_flight = self.peak_in_flight = 0
+    slots = (threading.BoundedSemaphore(max_in_flight) if max_in_flight
+             else None)
     owner = self
 
     class Handler(JSONHandler):
       def do_GET(self) -> None:
+        if self.path.rstrip("/").endswith("/stats"):
+          self._send_json(200, owner.stats())
+          return
         self._send_json(200, {"status": "ok"})
 
       def do_POST(self) -> None:
@@ -211,9 +252,22 @@ class ScriptedLLM(LoopbackServer):
           self._send_json(404, {"error": {"message":
                                           f"no route {self.path}"}})
           return
-        text = reply(request.get("messages", []))
-        with owner.lock:
-          owner.counts["unknown" if text is None else "answered"] += 1
+        if slots is not None:
+          slots.acquire()
+        try:
+          with owner.lock:
+            owner.in_flight += 1
+            owner.peak_in_flight = max(owner.peak_in_flight,
+                                       owner.in_flight)
+          time.sleep(owner.latency_s)
+          text = reply(request.get("messages", []))
+          with owner.lock:
+            owner.counts["unknown" if text is None else "answered"] += 1
+        finally:
+          with owner.lock:
+            owner.in_flight -= 1
+          if slots is not None:
+            slots.release()
         if text is None:
           self._send_json(400, {"error": {
               "message": "scripted_llm: not a documented prompt"}})
@@ -226,12 +280,31 @@ class ScriptedLLM(LoopbackServer):
 
     super().__init__(Handler, host, port)
 
+  def stats(self) -> dict[str, float | int]:
+    """Chat requests answered / unknown, in flight now and at the peak, and
+    the configured latency and cap (`GET /stats`)."""
+    with self.lock:
+      return {"answered": self.counts["answered"],
+              "unknown": self.counts["unknown"],
+              "in_flight": self.in_flight,
+              "peak_in_flight": self.peak_in_flight,
+              "latency_s": self.latency_s,
+              "max_in_flight": self.max_in_flight}
+
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--port", type=int, default=8001)
+  parser.add_argument("--latency_s", type=float, default=0.0,
+                      help="seconds each chat answer takes")
+  parser.add_argument("--max_in_flight", type=int, default=0,
+                      help="chat requests worked on at once (0: no cap); "
+                      "later ones wait")
   args = parser.parse_args()
-  with ScriptedLLM(port=args.port) as server:
+  if args.latency_s < 0 or args.max_in_flight < 0:
+    parser.error("--latency_s and --max_in_flight must be >= 0")
+  with ScriptedLLM(port=args.port, latency_s=args.latency_s,
+                   max_in_flight=args.max_in_flight) as server:
     print(f"ready at {server.base_url}", flush=True)
     try:
       threading.Event().wait()

@@ -6,7 +6,9 @@ evaluation and training all use it."""
 from cmimem_jax.client.openai_compatible import (CallResult, ChatModel,
                                                  EndpointConfig, FailureLog,
                                                  MalformedResponse, Messages,
-                                                 OpenAIClient, classify_error)
+                                                 OpenAIClient, classify_error,
+                                                 submit_chats, then)
 
 __all__ = ["CallResult", "ChatModel", "EndpointConfig", "FailureLog",
-           "MalformedResponse", "Messages", "OpenAIClient", "classify_error"]
+           "MalformedResponse", "Messages", "OpenAIClient", "classify_error",
+           "submit_chats", "then"]

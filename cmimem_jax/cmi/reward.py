@@ -745,9 +745,41 @@ def token_weights(token_offsets: Sequence[tuple[int, int]],
     line_weights: `(span, weight)` per DSL line (`RewardTerms.line_weights`).
 
   Returns:
-    `[T]` float32: a token takes the weight of the line it overlaps most,
-    1.0 if none (blank lines, think blocks).
+    `[T]` float32: a token takes the weight of the line it overlaps most
+    (the first such line on a tie), 1.0 if none (blank lines, think
+    blocks). Lines in text order (sorted, disjoint spans, as a response's
+    lines are) are found by binary search, O(T log lines).
   """
+  weights = np.ones(len(token_offsets), np.float32)
+  if not len(token_offsets) or not line_weights:
+    return weights
+  lines = np.asarray([span for span, _ in line_weights], np.int64)
+  values = np.asarray([w for _, w in line_weights], np.float32)
+  starts, ends = lines[:, 0], lines[:, 1]
+  if np.any(starts[1:] < ends[:-1]) or np.any(ends < starts):
+    return _token_weights_any_order(token_offsets, line_weights)
+  tokens = np.asarray(token_offsets, np.int64).reshape(-1, 2)
+  # The lines a token can overlap: ending after its start, starting before
+  # its end (a run of consecutive lines, usually one or two).
+  first = np.searchsorted(ends, tokens[:, 0], side="right")
+  stop = np.searchsorted(starts, tokens[:, 1], side="left")
+  best = np.zeros(len(tokens), np.int64)
+  for k in range(int((stop - first).max(initial=0))):
+    line = first + k
+    inside = line < stop
+    line = np.minimum(line, len(lines) - 1)
+    overlap = (np.minimum(tokens[:, 1], ends[line])
+               - np.maximum(tokens[:, 0], starts[line]))
+    better = inside & (overlap > best)
+    best = np.where(better, overlap, best)
+    weights = np.where(better, values[line], weights)
+  return weights.astype(np.float32)
+
+
+def _token_weights_any_order(
+    token_offsets: Sequence[tuple[int, int]],
+    line_weights: Sequence[tuple[tuple[int, int], float]]) -> np.ndarray:
+  """`token_weights` for lines in any order: every (token, line) pair."""
   weights = np.ones(len(token_offsets), np.float32)
   for t, (start, end) in enumerate(token_offsets):
     best = 0

@@ -9,20 +9,25 @@ date. `TurnRAG` is the utterance-level retrieval baseline (Table 5).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import faiss
 import numpy as np
 
 from cmimem_jax.data.types import Dialogue, Question
 from cmimem_jax.encoders.base import Encoder
-from cmimem_jax.client import CallResult, ChatModel
+from cmimem_jax.client import CallResult, ChatModel, submit_chats, then
 from cmimem_jax.memory.bank import MemoryBank, embed_texts
 from cmimem_jax.memory.prompt_builder import build_answer_prompt
 from cmimem_jax.memory.retrieval import (DEFAULT_CHUNK_BUDGET_CHARS, Chunk,
                                          lookup_chunks)
+
+if TYPE_CHECKING:  # The judges module is beside this one.
+  from cmimem_jax.evaluation.judges import LLMJudge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +120,35 @@ class TurnRAG:
                      ranked)
 
 
-def answer_many(model: ChatModel, contexts: Sequence[QAContext]
-                ) -> list[CallResult]:
-  """Asks the answer model every prompt (one user message each)."""
-  return model.chat_many([[{"role": "user", "content": c.prompt}]
-                          for c in contexts])
+def submit_answers(model: ChatModel, contexts: Sequence[QAContext]
+                   ) -> list[concurrent.futures.Future[CallResult]]:
+  """Asks the answer model every prompt (one user message each) without
+  waiting (`client.submit_chats`)."""
+  return submit_chats(model, [[{"role": "user", "content": c.prompt}]
+                              for c in contexts])
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgedAnswer:
+  """One question's answer call and, when it answered and there is a
+  judge, the judge's `(score or None, error or raw verdict)`."""
+  answer: CallResult
+  verdict: tuple[float | None, str] | None
+
+
+def answer_and_judge(answerer: ChatModel, judge: LLMJudge | None,
+                     questions: Sequence[Question],
+                     contexts: Sequence[QAContext]
+                     ) -> list[concurrent.futures.Future[JudgedAnswer]]:
+  """Every question's answer call sent at once, and each answer's judge
+  call as soon as that answer arrives (not after the others); returns at
+  once, one future per question, in order. Failed answers are not judged.
+  """
+  def judged(question: Question, answer: CallResult):
+    if judge is None or not answer.ok:
+      return JudgedAnswer(answer, None)
+    return then(judge.submit(question, answer.text),
+                lambda verdict: JudgedAnswer(answer, verdict))
+  return [then(answer, functools.partial(judged, question))
+          for question, answer in zip(questions,
+                                      submit_answers(answerer, contexts))]

@@ -8,12 +8,13 @@ and never averaged in.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 from collections.abc import Sequence
 
 from cmimem_jax.data.types import Question
-from cmimem_jax.client import CallResult, OpenAIClient
+from cmimem_jax.client import CallResult, OpenAIClient, then
 from cmimem_jax.evaluation.metrics import normalize_answer
 from cmimem_jax.memory.prompt_builder import build_judge_prompt
 
@@ -112,19 +113,28 @@ class LLMJudge:
       raise ValueError(f"unknown judge prompt {prompt!r}")
     self.client, self.prompt = client, prompt
 
+  def messages(self, question: Question, prediction: str
+               ) -> list[dict[str, str]]:
+    """The judge conversation for one answer (one user message)."""
+    if self.prompt == "longmemeval":
+      prompt = longmemeval_prompt(question, prediction)
+    else:
+      prompt = build_judge_prompt(question.question, question.answer,
+                                  prediction)
+    return [{"role": "user", "content": prompt}]
+
   def judge_many(self, questions: Sequence[Question],
                  predictions: Sequence[str]) -> list[tuple[float | None, str]]:
     """(score or None, error or raw verdict) per question."""
-    prompts = []
-    for question, prediction in zip(questions, predictions):
-      if self.prompt == "longmemeval":
-        prompts.append(longmemeval_prompt(question, prediction))
-      else:
-        prompts.append(build_judge_prompt(question.question, question.answer,
-                                          prediction))
-    results = self.client.chat_many(
-        [[{"role": "user", "content": p}] for p in prompts])
-    return [self._verdict(r) for r in results]
+    futures = [self.submit(q, p) for q, p in zip(questions, predictions)]
+    return [f.result() for f in futures]
+
+  def submit(self, question: Question, prediction: str
+             ) -> concurrent.futures.Future[tuple[float | None, str]]:
+    """`judge_many` of one answer, in the judge endpoint's pool: returns
+    at once."""
+    return then(self.client.submit(self.messages(question, prediction)),
+                self._verdict)
 
   def _verdict(self, result: CallResult) -> tuple[float | None, str]:
     if not result.ok:

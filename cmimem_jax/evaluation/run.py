@@ -5,9 +5,12 @@ Per dialogue: build the method's context provider (utterance RAG, or a
 memory bank built by the policy / the JSON agents, cached under
 `DIR/banks/`), retrieve a context for every question (Alg. 2), answer it
 (unless the judge is `context_recall`, which needs no answer), judge, and
-append one JSON record per question to `DIR/predictions.jsonl`, flushed as
-soon as its wave of calls (as many as the models run at once) returns. A
-rerun skips questions already scored (failed judgements are retried) and
+append one JSON record per question to `DIR/predictions.jsonl`, in
+question order, flushed as soon as it and every question before it are
+scored. Every question's answer call is sent as soon as its context is
+ready (the endpoint's pool holds it until one of its `concurrency` slots
+is free), each judged as soon as it is answered, while the next
+dialogues' banks are built. A rerun skips questions already scored (failed judgements are retried) and
 repairs a torn last line; `DIR/settings.json` records what decides the
 results (`result_settings`) once the models are loaded (a run stopped
 before then, e.g. by a missing checkpoint, leaves the workdir free for the
@@ -19,6 +22,7 @@ corrected command), and a rerun with other settings is refused.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -35,8 +39,9 @@ from cmimem_jax.data import (Dialogue, Question, WorkdirLock,
                              configured_split, load_configured, path_under,
                              read_jsonl)
 from cmimem_jax.encoders import Encoder, make_encoder
-from cmimem_jax.evaluation.answering import (MemoryContext, QAContext, TurnRAG,
-                                             answer_many)
+from cmimem_jax.evaluation.answering import (JudgedAnswer, MemoryContext,
+                                             QAContext, TurnRAG,
+                                             answer_and_judge)
 from cmimem_jax.evaluation.builders import agents_responder, policy_responder
 from cmimem_jax.evaluation.judges import LLMJudge, context_recall
 from cmimem_jax.evaluation.memoryagentbench import (
@@ -165,50 +170,49 @@ def text_metrics(dataset: str, question: Question, prediction: str
   return {}
 
 
-def score_dialogue(dialogue: Dialogue, questions: list[Question],
-                   provider, config, answerer: ChatModel | None,
-                   judge: LLMJudge | None) -> list[dict]:
+def question_record(dataset: str, judge_kind: str, dialogue: Dialogue,
+                    question: Question, context: QAContext,
+                    outcome: JudgedAnswer | None) -> dict:
+  """A question's `predictions.jsonl` record from its context and, when
+  it was asked, its answer (and verdict)."""
+  prediction = outcome and outcome.answer.text
+  recall = context_recall(question, context.context)
+  if judge_kind == "llm":
+    score, judge_note = (outcome.verdict if outcome.verdict is not None
+                         else (None, f"no answer: {outcome.answer.error}"))
+  else:
+    score, judge_note = recall, ""
+  record = {
+      "question_id": question.question_id,
+      "dialogue_id": dialogue.dialogue_id, "category": question.category,
+      "question": question.question, "gold": question.answer,
+      "prediction": prediction, "score": score,
+      "context_recall": recall,
+      "retrieved": list(context.retrieved)}
+  if recall is None and judge_kind == "context_recall":
+    record["unscorable"] = "unanswerable question: no gold to find"
+  elif score is None:
+    record["error"] = judge_note
+  if question.evidence:
+    record["evidence_recall"] = recall_at_k(
+        list(context.turns), question.evidence, len(context.turns) or 1)
+  if prediction is not None:
+    record.update(text_metrics(dataset, question, prediction))
+  return record
+
+
+def submit_dialogue(dialogue: Dialogue, questions: list[Question], provider,
+                    config, answerer: ChatModel | None,
+                    judge: LLMJudge | None
+                    ) -> list[tuple[Question, QAContext, concurrent.futures.
+                                    Future[JudgedAnswer] | None]]:
+  """Every question's context, and its answer (and judge) calls sent
+  (`answer_and_judge`; none without an answer model): returns at once for
+  an endpoint, after the answers for a local model."""
   contexts: list[QAContext] = provider.many(questions)
-  predictions: list[str | None] = [None] * len(questions)
-  answer_errors: list[str | None] = [None] * len(questions)
-  if answerer is not None:
-    for i, result in enumerate(answer_many(answerer, contexts)):
-      predictions[i], answer_errors[i] = result.text, result.error
-  records = []
-  verdicts: list[tuple[float | None, str]] = []
-  if config.judge.kind == "llm":
-    answered = [i for i, p in enumerate(predictions) if p is not None]
-    judged = judge.judge_many([questions[i] for i in answered],
-                              [predictions[i] for i in answered])
-    verdict_of = dict(zip(answered, judged))
-    verdicts = [verdict_of.get(i, (None, f"no answer: {answer_errors[i]}"))
-                for i in range(len(questions))]
-  for i, (question, context) in enumerate(zip(questions, contexts)):
-    recall = context_recall(question, context.context)
-    if config.judge.kind == "llm":
-      score, judge_note = verdicts[i]
-    else:
-      score, judge_note = recall, ""
-    unscorable = recall is None and config.judge.kind == "context_recall"
-    record = {
-        "question_id": question.question_id,
-        "dialogue_id": dialogue.dialogue_id, "category": question.category,
-        "question": question.question, "gold": question.answer,
-        "prediction": predictions[i], "score": score,
-        "context_recall": recall,
-        "retrieved": list(context.retrieved)}
-    if unscorable:
-      record["unscorable"] = "unanswerable question: no gold to find"
-    elif score is None:
-      record["error"] = judge_note
-    if question.evidence:
-      record["evidence_recall"] = recall_at_k(
-          list(context.turns), question.evidence, len(context.turns) or 1)
-    if predictions[i] is not None:
-      record.update(text_metrics(config.dataset.name, question,
-                                 predictions[i]))
-    records.append(record)
-  return records
+  outcomes = (answer_and_judge(answerer, judge, questions, contexts)
+              if answerer is not None else [None] * len(questions))
+  return list(zip(questions, contexts, outcomes))
 
 
 def read_records(path: str) -> dict[str, dict]:
@@ -295,12 +299,12 @@ def record_settings(workdir: str, settings: dict[str, Any]) -> None:
       json.dump(settings, f, indent=1)
 
 
-def calls_in_flight(model: ChatModel | None) -> int | None:
-  """How many calls `model.chat_many` makes at once (None: no model)."""
-  if model is None:
+def questions_per_submit(model: ChatModel | None) -> int | None:
+  """Questions sent to the answer model at once: all of a dialogue's for
+  an endpoint (its pool bounds them) or none needed; a local model's
+  batch (so records are written batch by batch)."""
+  if model is None or isinstance(model, OpenAIClient):
     return None
-  if isinstance(model, OpenAIClient):
-    return max(1, model.config.concurrency)
   return getattr(model, "batch_size", 1)
 
 
@@ -378,29 +382,39 @@ def evaluate(config, workdir: str) -> dict:
         config.judge.endpoint)), config.judge.prompt)
   record_settings(workdir, settings)
   failures: collections.Counter[str] = collections.Counter()
-  # Questions scored per wave: as many as the models answer at once, so
-  # each wave's records are written as soon as its calls return.
-  in_flight = [n for n in (calls_in_flight(answerer),
-                           calls_in_flight(judge and judge.client)) if n]
-  wave = min(in_flight) if in_flight else None
+  per_submit = questions_per_submit(answerer)
   start = time.perf_counter()
   with open(path, "a", encoding="utf-8") as out, tqdm(
       total=len(selected), initial=len(selected) - sum(
           len(v) for v in pending.values()), desc="questions",
       disable=None) as bar:
+    # Questions whose calls are in flight, in order: each record is
+    # written once it and those before it are scored.
+    in_flight: collections.deque = collections.deque()
+
+    def write_scored(wait: bool) -> None:
+      while in_flight and (wait or in_flight[0][3] is None
+                           or in_flight[0][3].done()):
+        dialogue, question, context, outcome = in_flight.popleft()
+        out.write(json.dumps(question_record(
+            config.dataset.name, config.judge.kind, dialogue, question,
+            context, outcome and outcome.result())) + "\n")
+        out.flush()  # A crash loses at most the calls still in flight.
+        bar.update(1)
+
     for dialogue in dialogues:
       questions = pending.get(dialogue.dialogue_id)
       if not questions:
         continue
       provider = context_provider(dialogue, encoder, config, workdir, builder,
                                   failures, editors)
-      step = wave or len(questions)
+      step = per_submit or len(questions)
       for first in range(0, len(questions), step):
-        for record in score_dialogue(dialogue, questions[first:first + step],
-                                     provider, config, answerer, judge):
-          out.write(json.dumps(record) + "\n")
-          out.flush()  # A crash loses at most the calls still in flight.
-          bar.update(1)
+        in_flight.extend((dialogue, *sent) for sent in submit_dialogue(
+            dialogue, questions[first:first + step], provider, config,
+            answerer, judge))
+        write_scored(wait=False)
+    write_scored(wait=True)
   wanted = {q.question_id for _, q in selected}
   records = [r for qid, r in read_records(path).items() if qid in wanted]
   calls = {name: model.failures.as_dict() for name, model in

@@ -18,6 +18,10 @@ Two entry points:
   validity mask (T = the few new tokens), always the XLA path;
   `shared_prefix_attention` the same over a prompt cache shared by groups
   of rows plus each row's own cache.
+* `grouped_rows_attention` — training over a prompt shared by a group of
+  rows on the splash kernel: each packed row is `[prompt; row 1; ...;
+  row G]`, and `SharedPrefixMask` lets each row see the prompt and,
+  causally, itself (its blocks over the other rows are skipped).
 
 Every backend gives the same numbers on real tokens (tests/models/
 test_attention.py); outputs at padding positions are unspecified.
@@ -30,6 +34,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from cmimem_jax.parallel.mesh import BATCH_AXES
@@ -226,15 +231,20 @@ def splash_block(length: int) -> int:
   return min(SPLASH_BLOCK, _round_up(length, 128))
 
 
-def _splash_kernel(heads: int, length: int, block: int, interpret: bool):
+def _splash_kernel(heads: int, length: int, block: int, interpret: bool,
+                   shared: tuple[int, int] | None = None):
   """Built per trace, not cached: the kernel holds its mask tables as
   arrays, constants of the trace that builds it (a kernel reused by a
   later trace, e.g. remat's or the gradient's, leaks them), and eager
-  arrays cannot be made while compiling for a TPU topology on a CPU."""
+  arrays cannot be made while compiling for a TPU topology on a CPU.
+  (`splash_attention_mask_info` caches the tables' NumPy work per mask.)
+  `shared`: (prompt, row) lengths of `SharedPrefixMask`; else causal."""
   # Imported here: the Pallas TPU package is only needed on this path.
   from jax.experimental.pallas.ops.tpu.splash_attention import (
       splash_attention_kernel as kernel, splash_attention_mask as masks)
-  mask = masks.MultiHeadMask([masks.CausalMask((length, length))] * heads)
+  one = (masks.CausalMask((length, length)) if shared is None
+         else shared_prefix_mask(length, *shared))
+  mask = masks.MultiHeadMask([one] * heads)
   sizes = kernel.BlockSizes(
       block_q=block, block_kv=block, block_kv_compute=block,
       block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
@@ -243,23 +253,97 @@ def _splash_kernel(heads: int, length: int, block: int, interpret: bool):
                                 q_seq_shards=1, interpret=interpret)
 
 
+def shared_prefix_mask(length: int, prompt: int, row: int):
+  """The splash mask of packed `[prompt; row 1; ...; row G]` sequences
+  (`length` = prompt + G·row): a prompt token sees the prompt causally, a
+  row's token the whole prompt and its own row causally, never another
+  row. Its tiles (each lies in one region when the block divides `prompt`
+  and `row`) are classified without evaluating them, so the kernel's mask
+  tables for a 68k-token sequence take about a second."""
+  return _shared_prefix_mask_class()(length, prompt, row)
+
+
+@functools.cache
+def _shared_prefix_mask_class() -> type:
+  """`SharedPrefixMask`, made once (equal masks must share a class: the
+  kernel caches its mask tables per mask)."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
+      splash_attention_mask as masks)
+
+  class SharedPrefixMask(masks.Mask):
+    """See `shared_prefix_mask`."""
+
+    def __init__(self, length: int, prompt: int, row: int):
+      self.length, self.prompt, self.row = length, prompt, row
+      self._constant: dict[tuple[int, int, bool], np.ndarray] = {}
+
+    @property
+    def shape(self) -> tuple[int, int]:
+      return self.length, self.length
+
+    def _region(self, start: int, stop: int) -> int | None:
+      """-1 for the prompt, i for row i, None across regions."""
+      first, last = (-1 if x < self.prompt else (x - self.prompt) // self.row
+                     for x in (start, stop - 1))
+      return first if first == last else None
+
+    def __getitem__(self, index) -> np.ndarray:
+      q_slice, kv_slice = (slice(*i.indices(self.length)) for i in index)
+      q_region = self._region(q_slice.start, q_slice.stop)
+      kv_region = self._region(kv_slice.start, kv_slice.stop)
+      value = None
+      if q_region is not None and kv_region is not None:
+        if kv_region == -1 and q_region >= 0:
+          value = True  # A row sees the whole prompt.
+        elif kv_region != q_region:
+          value = False  # Another row, or a row seen from the prompt.
+        elif kv_slice.stop - 1 <= q_slice.start:
+          value = True  # Causal, wholly below the diagonal.
+        elif kv_slice.start > q_slice.stop - 1:
+          value = False
+      if value is not None:
+        key = (q_slice.stop - q_slice.start, kv_slice.stop - kv_slice.start,
+               value)
+        if key not in self._constant:
+          self._constant[key] = np.full(key[:2], value)
+        return self._constant[key]
+      q = np.arange(q_slice.start, q_slice.stop)[:, None]
+      kv = np.arange(kv_slice.start, kv_slice.stop)[None, :]
+      same_row = (q >= self.prompt) & (kv >= self.prompt) & (
+          (q - self.prompt) // self.row == (kv - self.prompt) // self.row)
+      return (kv <= q) & ((kv < self.prompt) | same_row)
+
+    def __eq__(self, other: object) -> bool:
+      return isinstance(other, SharedPrefixMask) and (
+          other.length, other.prompt, other.row) == (
+              self.length, self.prompt, self.row)
+
+    def __hash__(self) -> int:
+      return hash((SharedPrefixMask, self.length, self.prompt, self.row))
+
+  return SharedPrefixMask
+
+
 def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array,
-                  segment_ids: jax.Array, *, interpret: bool) -> jax.Array:
+                  segment_ids: jax.Array, *, interpret: bool,
+                  shared: tuple[int, int] | None = None) -> jax.Array:
   """One device's rows: q `[b, H, T, D]`, k/v `[b, KV, T, D]` (T a multiple
   of the block), segment ids `[b, T]`."""
   from jax.experimental.pallas.ops.tpu.splash_attention import (
       splash_attention_kernel as kernel)
   length = q.shape[2]
-  splash = _splash_kernel(q.shape[1], length, splash_block(length), interpret)
+  block = splash_block(length) if shared is None else shared_block(*shared)
+  splash = _splash_kernel(q.shape[1], length, block, interpret, shared)
   one_row = lambda q, k, v, s: splash(  # noqa: E731
       q, k, v, segment_ids=kernel.SegmentIds(q=s, kv=s))
   return jax.vmap(one_row)(q, k, v, segment_ids)
 
 
 def _splash_causal(q: jax.Array, k: jax.Array, v: jax.Array,
-                   segment_ids: jax.Array) -> jax.Array:
+                   segment_ids: jax.Array,
+                   shared: tuple[int, int] | None = None) -> jax.Array:
   b, t, heads, dim = q.shape
-  padded = _round_up(t, splash_block(t))
+  padded = t if shared else _round_up(t, splash_block(t))
   pad = padded - t
   # The kernel does not scale its scores; float32 keeps the scaling exact.
   q = (q.astype(jnp.float32) * dim ** -0.5).astype(q.dtype)
@@ -271,7 +355,7 @@ def _splash_causal(q: jax.Array, k: jax.Array, v: jax.Array,
                         constant_values=-1)
   args = (to_kernel(q), to_kernel(k), to_kernel(v), segment_ids)
   interpret = target_platform() != "tpu"
-  local = functools.partial(_splash_local, interpret=interpret)
+  local = functools.partial(_splash_local, interpret=interpret, shared=shared)
   mesh = jax.sharding.get_abstract_mesh()
   if not mesh.empty:
     batch = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
@@ -287,6 +371,43 @@ def _splash_causal(q: jax.Array, k: jax.Array, v: jax.Array,
                           out_specs=qkv, check_vma=False)
   out = local(*args)
   return out.transpose(0, 2, 1, 3)[:, :t]
+
+
+def shared_block(prompt: int, row: int) -> int:
+  """The kernel tile of packed `[prompt; rows]` sequences: it must divide
+  both lengths (`grouped_rows_layout` pads them to its multiples)."""
+  return splash_block(max(prompt, row))
+
+
+def grouped_rows_layout(prompt: int, row: int) -> tuple[int, int]:
+  """(prompt, row) lengths of the packed layout: each rounded up to a
+  multiple of `shared_block` (the prompt padded on the left, the rows on
+  the right)."""
+  block = shared_block(prompt, row)
+  return _round_up(prompt, block), _round_up(row, block)
+
+
+def grouped_rows_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                           segment_ids: jax.Array, prompt: int, row: int
+                           ) -> jax.Array:
+  """Attention of packed `[prompt; row 1; ...; row G]` sequences on the
+  splash kernel (`SharedPrefixMask`): the prompt causal, each row over the
+  whole prompt and causally over itself, within segments (0 = padding).
+
+  Args:
+    q: `[P, prompt + G·row, H, D]`; k, v: `[P, prompt + G·row, KV, D]`
+      (RoPE applied), `prompt` and `row` from `grouped_rows_layout`.
+    segment_ids: `[P, prompt + G·row]`: 1 for real tokens, 0 for padding.
+
+  Returns:
+    `[P, prompt + G·row, H, D]` in q's dtype.
+  """
+  if (q.shape[1] - prompt) % row or any(
+      n % shared_block(prompt, row) for n in (prompt, row)):
+    raise ValueError(f"{q.shape[1]} tokens are not a {prompt}-token prompt "
+                     f"and rows of {row} in blocks of "
+                     f"{shared_block(prompt, row)}: use grouped_rows_layout")
+  return _splash_causal(q, k, v, segment_ids, (prompt, row))
 
 
 def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array,

@@ -469,7 +469,8 @@ class Trainer:
     advantages = group_advantages(rewards, valid,
                                   self.group)
     width = out.tokens.shape[1]
-    weights = np.stack([attribution_weights(t, self.policy.decode, c, width)
+    weights = np.stack([attribution_weights(t, self.policy.decode, c, width,
+                                            self.policy.decode_each)
                         for t, c in zip(terms, completions)])
     if isinstance(self.policy.engine, Sampler):
       if self.config.rollout.release_programs_each_step:

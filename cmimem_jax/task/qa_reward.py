@@ -4,6 +4,8 @@ the bank a rollout produced."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -11,7 +13,8 @@ import numpy as np
 from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
 from cmimem_jax.config import qa_chunk_budget
 from cmimem_jax.encoders.base import Encoder
-from cmimem_jax.evaluation.answering import MemoryContext
+from cmimem_jax.evaluation.answering import (JudgedAnswer, MemoryContext,
+                                             answer_and_judge)
 from cmimem_jax.evaluation.judges import LLMJudge, context_recall
 from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.retrieval import DEFAULT_CHUNK_BUDGET_CHARS
@@ -19,6 +22,33 @@ from cmimem_jax.memory.types import MemoryType
 
 if TYPE_CHECKING:  # The episode module imports this one.
   from cmimem_jax.task.episode import Episode
+
+
+QAResult = tuple[float, dict[MemoryType, int]]
+
+
+class PendingQA:
+  """A rollout's `r_QA` whose answer and judge calls are in flight:
+  `wait` returns `(r_QA, retrievals per type)` (the failures counted on
+  the first `wait`)."""
+
+  def __init__(self, reward: QAReward, counts: dict[MemoryType, int],
+               scores: Sequence[float | None] = (),
+               calls: Sequence[concurrent.futures.Future[JudgedAnswer]] = ()):
+    self._reward, self._counts = reward, counts
+    self._scores, self._calls = list(scores), list(calls)
+
+  def wait(self) -> QAResult:
+    if self._calls:
+      outcomes = [f.result() for f in self._calls]
+      answered = [o for o in outcomes if o.answer.ok]
+      self._scores = [o.verdict[0] for o in answered
+                      if o.verdict[0] is not None]
+      self._reward.failures["answer"] += len(outcomes) - len(answered)
+      self._reward.failures["judge"] += len(answered) - len(self._scores)
+      self._calls = []
+    scores = self._scores
+    return (float(np.mean(scores)) if scores else 0.0), self._counts
 
 
 class QAReward:
@@ -56,27 +86,24 @@ class QAReward:
     return cls(encoder, config.qa.judge, config.qa.top_k,
                qa_chunk_budget(config.memory), answerer, judge)
 
-  def __call__(self, bank: MemoryBank, episode: Episode
-               ) -> tuple[float, dict[MemoryType, int]]:
+  def __call__(self, bank: MemoryBank, episode: Episode) -> QAResult:
+    return self.submit(bank, episode).wait()
+
+  def submit(self, bank: MemoryBank, episode: Episode) -> PendingQA:
+    """Retrieves every question's context now and sends its answer call
+    (each judged as soon as it is answered, `answer_and_judge`); the
+    calls run in the endpoints' pools while the caller goes on."""
     if not episode.questions:
-      return 0.0, {}
+      return PendingQA(self, {})
     provider = MemoryContext(bank, episode.dialogue, self.encoder, self.top_k,
                              self.chunk_budget_chars)
     contexts = provider.many(episode.questions)
     types = {e.entry_id: e.memory_type for e in bank.entries()}
-    counts = collections.Counter(types[i] for c in contexts
-                                 for i in c.retrieved if i in types)
+    counts = dict(collections.Counter(types[i] for c in contexts
+                                      for i in c.retrieved if i in types))
     if self.kind == "context_recall":
-      scores = [score for q, c in zip(episode.questions, contexts)
-                if (score := context_recall(q, c.context)) is not None]
-    else:
-      answers = self.answerer.chat_many(
-          [[{"role": "user", "content": c.prompt}] for c in contexts])
-      answered = [(q, a.text) for q, a in zip(episode.questions, answers)
-                  if a.ok]
-      self.failures["answer"] += len(contexts) - len(answered)
-      verdicts = self.judge.judge_many([q for q, _ in answered],
-                                       [a for _, a in answered])
-      scores = [s for s, _ in verdicts if s is not None]
-      self.failures["judge"] += len(verdicts) - len(scores)
-    return (float(np.mean(scores)) if scores else 0.0), dict(counts)
+      return PendingQA(self, counts, [
+          score for q, c in zip(episode.questions, contexts)
+          if (score := context_recall(q, c.context)) is not None])
+    return PendingQA(self, counts, calls=answer_and_judge(
+        self.answerer, self.judge, episode.questions, contexts))

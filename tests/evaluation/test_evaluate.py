@@ -3,11 +3,14 @@ files, offline and against a loopback endpoint with injected failures."""
 
 import json
 import os
+import threading
+import time
 import zlib
 
 import pytest
 
 from cmimem_jax.config import ConfigError, apply_overrides
+from cmimem_jax.data import load_locomo
 from cmimem_jax.evaluation.run import evaluate
 
 from fake_openai import FakeOpenAI  # noqa: I100
@@ -267,26 +270,42 @@ def test_repeated_question_ids_are_refused(locomo_path, tmp_path):
     evaluate(eval_config(str(path)), str(tmp_path / "out"))
 
 
-def test_records_are_flushed_per_wave_of_calls(locomo_path, tmp_path):
-  """A run killed after its first wave keeps that wave's paid calls."""
-  written = []
+def test_judged_as_answered_and_records_flushed_in_order(locomo_path,
+                                                        tmp_path):
+  """Every answer call is sent at once (2 in flight), each judged as soon
+  as it is answered, and each record is on disk as soon as it and those
+  before it are scored: a run killed midway keeps its paid calls."""
+  calls = []  # (judge?, records on disk) per request, in arrival order.
+  lock = threading.Lock()
   with FakeOpenAI() as server:
     def behaviour(content, attempt):
-      del content, attempt
+      del attempt
       path = tmp_path / "predictions.jsonl"
-      written.append(len(read_jsonl(path)) if path.exists() else 0)
+      with lock:
+        calls.append(("Gold answer" in content,
+                      len(read_jsonl(path)) if path.exists() else 0))
+      time.sleep(0.05)
       return "ok"
     server.behaviour = behaviour
     overrides = {"judge.kind": "llm", "answer.kind": "endpoint", "limit": 12}
     for section in ("answer", "judge"):
       overrides[f"{section}.endpoint.base_url"] = server.base_url
       overrides[f"{section}.endpoint.model"] = "fake"
-      overrides[f"{section}.endpoint.concurrency"] = 4
+      overrides[f"{section}.endpoint.concurrency"] = 2
     evaluate(eval_config(locomo_path, **overrides), str(tmp_path))
-  # 3 waves of 4 questions, each 4 answers then 4 judgements: the records
-  # of earlier waves are on disk before the next wave's first call.
-  assert len(written) == 24
-  assert [written[i] for i in (0, 8, 16)] == [0, 4, 8]
+  records = read_jsonl(tmp_path / "predictions.jsonl")
+  assert len(calls) == 24 and len(records) == 12
+  # The first verdict is asked before the last answers; records are
+  # written while answers are still being asked.
+  judged = [is_judge for is_judge, _ in calls]
+  assert judged.index(True) < 4 and not all(judged[-4:])
+  last_answer = max(i for i, j in enumerate(judged) if not j)
+  assert calls[last_answer][1] > 0
+  # In the questions' order, whatever order the calls finished in.
+  assert [r["question_id"] for r in records] == [
+      q.question_id for d in load_locomo(locomo_path) for q in d.questions
+  ][:12]
+  assert all(r["score"] is not None for r in records)
 
 
 @pytest.mark.slow

@@ -2,7 +2,9 @@
 gradients, with GQA, left padding and packed rows (splash in Pallas
 interpret mode on this CPU)."""
 
+import os
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -138,3 +140,39 @@ def test_bench_offers_every_backend():
   source = (pathlib.Path(__file__).parents[2] / "tools" / "bench.py").read_text()
   spelled = "(" + ", ".join(f'"{impl}"' for impl in attention.ATTENTION_IMPLS)
   assert f"ATTENTION_CHOICES = {spelled})" in source
+
+
+def test_shared_prefix_mask_tiles_equal_the_dense_mask():
+  """Prompt causal; a row over the whole prompt and causally over itself,
+  never another row; every tile (fast-pathed or not) equal to the dense
+  definition."""
+  prompt, row, groups = 8, 4, 3
+  length = prompt + groups * row
+  mask = attention.shared_prefix_mask(length, prompt, row)
+  q, kv = np.arange(length)[:, None], np.arange(length)[None]
+  region = lambda x: np.where(x < prompt, -1, (x - prompt) // row)  # noqa
+  dense = (kv <= q) & ((kv < prompt) | (region(q) == region(kv)))
+  assert mask.shape == (length, length)
+  for block in (4, 2, 3):
+    for i in range(0, length, block):
+      for j in range(0, length, block):
+        np.testing.assert_array_equal(
+            mask[i:i + block, j:j + block], dense[i:i + block, j:j + block])
+  assert mask == attention.shared_prefix_mask(length, prompt, row)
+  assert hash(mask) == hash(attention.shared_prefix_mask(length, prompt, row))
+  assert mask != attention.shared_prefix_mask(length, prompt - 4, row + 2)
+
+
+def test_shared_prompt_train_step_compiles_for_a_v5p_8():
+  """The packed shared-prompt update lowers the splash kernel for a TPU
+  (Mosaic, not interpret mode): `tools/compile_shared_prompt.py` on a
+  tiny model."""
+  pytest.importorskip("libtpu", reason="the TPU extra is not installed")
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..",
+                                  "tools"))
+  import compile_shared_prompt
+  row = compile_shared_prompt.main([
+      "--preset=tiny", "--rows=8", "--prompt=200", "--completion=100",
+      "--group=2"])
+  assert row["tpu_kernels"] > 0 and 0 < row["total_gib"] < 1
+  assert row["packed_tokens_per_chip"] == 200 + 2 * 100

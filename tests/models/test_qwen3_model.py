@@ -135,12 +135,16 @@ def test_compare_reference_tool(tmp_path, capsys):
   assert result["max_abs_diff"] < 1e-4 and result["argmax_agreement"] == 1.0
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_shared_prompt_hidden_states_equal_the_concatenated_rows(remat):
+@pytest.mark.parametrize("remat,impl", [("none", "auto"), ("full", "auto"),
+                                        ("full", "splash")])
+def test_shared_prompt_hidden_states_equal_the_concatenated_rows(remat, impl):
   """Two prompts (left-padded, lengths 7 and 3) continued by 3 rows each
   (right-padded, one empty): computing each prompt once gives the hidden
-  states, and the gradients, of running the 6 whole rows."""
-  model = Qwen3(preset("tiny", vocab_size=64, remat=remat), rngs=nnx.Rngs(0))
+  states, and the gradients, of running the 6 whole rows; on the splash
+  kernel (TPU's path; interpret mode here) as packed `[prompt; rows]`
+  sequences."""
+  model = Qwen3(preset("tiny", vocab_size=64, remat=remat,
+                       attention_impl=impl), rngs=nnx.Rngs(0))
   prompts, prompt_mask = left_padded_batch(64, [7, 3], 8)
   rng = np.random.default_rng(1)
   group, width = 3, 5

@@ -236,6 +236,28 @@ def test_rows_sharing_a_prompt_take_the_same_step_computing_it_once():
     np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def test_shared_prompt_logprobs_on_splash_equal_whole_rows():
+  """TPU's shared-prompt path (the splash kernel over packed `[prompt;
+  rows]` sequences, interpret mode here), sharded as the learner shards
+  it (4 prompts over data x fsdp, heads over tensor): the log-probs and
+  entropies of computing each prompt once equal the whole rows'."""
+  if len(jax.devices()) < 8:
+    pytest.skip("needs the 8 fake CPU devices set up in conftest")
+  model = Qwen3(preset("tiny", vocab_size=VOCAB, attention_impl="splash"),
+                rngs=nnx.Rngs(0))
+  batch = shared_prompt_batch(3, prompts=4, group=2)
+  tokens, mask = jnp.asarray(batch["tokens"]), jnp.asarray(batch["mask"])
+  real = batch["loss_mask"].astype(bool)
+  whole = token_logprobs(model, tokens, mask, start=6)
+  mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  with jax.set_mesh(mesh):
+    shared = nnx.jit(lambda m, t, k: token_logprobs(
+        m, t, k, start=6, mesh=mesh, group=2))(model, tokens, mask)
+  for got, want in zip(shared, whole):
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real],
+                               atol=2e-5)
+
+
 def test_same_step_on_one_and_eight_devices():
   if len(jax.devices()) < 8:
     pytest.skip("needs the 8 fake CPU devices set up in conftest")

@@ -25,6 +25,8 @@ from flax import nnx
 
 from cmimem_jax.models.attention import (ATTENTION_IMPLS, cached_attention,
                                         causal_self_attention,
+                                        grouped_rows_attention,
+                                        grouped_rows_layout, resolve_impl,
                                         shared_prefix_attention)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
@@ -515,6 +517,12 @@ class Qwen3(nnx.Module):
         multiple of P.
       positions: `[B, T]` their RoPE positions (continuing the prompts').
 
+    On the splash backend (TPU) each prompt and its G rows run as one
+    packed sequence `[prompt; row 1; ...; row G]` whose attention mask
+    (`attention.grouped_rows_attention`) gives each row the prompt and
+    itself; elsewhere the rows attend over their prompt's keys through an
+    XLA `[T, Tp + T]` score block.
+
     Returns:
       `(prompt hidden [P, Tp, H], hidden [B, T, H])`.
     """
@@ -522,6 +530,10 @@ class Qwen3(nnx.Module):
     if tokens.shape[0] % prompt_tokens.shape[0]:
       raise ValueError(f"{tokens.shape[0]} rows do not continue "
                        f"{prompt_tokens.shape[0]} prompts in equal groups")
+    if resolve_impl(c.attention_impl, tokens.shape[1],
+                    c.compute_dtype) == "splash":
+      return self._packed_hidden_states(prompt_tokens, prompt_mask, tokens,
+                                        positions, mask)
     embed = self.embed[...]
     prompt_x = jnp.take(embed, prompt_tokens, axis=0).astype(c.compute_dtype)
     x = jnp.take(embed, tokens, axis=0).astype(c.compute_dtype)
@@ -559,6 +571,40 @@ class Qwen3(nnx.Module):
     final = self.final_norm[...]
     return (rms_norm(prompt_x, final, c.rms_norm_eps),
             rms_norm(x, final, c.rms_norm_eps))
+
+  def _packed_hidden_states(
+      self, prompt_tokens: jax.Array, prompt_mask: jax.Array,
+      tokens: jax.Array, positions: jax.Array, mask: jax.Array
+  ) -> tuple[jax.Array, jax.Array]:
+    """`shared_prompt_hidden_states` on the splash kernel: each prompt
+    (left-padded to the kernel's block) followed by its G rows (each
+    right-padded to the block) as one sequence, padding its own segment."""
+    c = self.config
+    (p, tp), (b, t) = prompt_tokens.shape, tokens.shape
+    group = b // p
+    prompt_len, row_len = grouped_rows_layout(tp, t)
+
+    def pack(prompt_part: jax.Array, rows_part: jax.Array) -> jax.Array:
+      """`[P, Tp]` and `[B, T]` -> `[P, prompt_len + G·row_len]`."""
+      left = jnp.pad(prompt_part, ((0, 0), (prompt_len - tp, 0)))
+      right = jnp.pad(rows_part, ((0, 0), (0, row_len - t)))
+      return jnp.concatenate([left, right.reshape(p, group * row_len)], 1)
+
+    segments = pack(prompt_mask, mask).astype(jnp.int32)
+    x = jnp.take(self.embed[...], pack(prompt_tokens, tokens), axis=0).astype(
+        c.compute_dtype)
+    cos, sin = rope_tables(pack(positions_from_mask(prompt_mask), positions),
+                           c.head_dim, c.rope_theta)
+
+    def layer(x, p):
+      q, k, v = _project_qkv(c, p, x, cos, sin)
+      attn = grouped_rows_attention(q, k, v, segments, prompt_len, row_len)
+      return _finish_block(c, p, x, attn), None
+
+    x, _ = jax.lax.scan(_rematerialised(c, layer), x, self._stacked())
+    x = rms_norm(x, self.final_norm[...], c.rms_norm_eps)
+    rows = x[:, prompt_len:].reshape(p, group, row_len, -1)[:, :, :t]
+    return x[:, prompt_len - tp:prompt_len], rows.reshape(b, t, -1)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """float32 `[..., V]` logits from hidden states."""

@@ -1,0 +1,246 @@
+"""A step's scoring with every endpoint call in flight (`RolloutScorer`):
+against today's one-rollout-at-a-time scoring (kept here as the oracle),
+the same rewards, byte for byte, and the same failure counts; on the
+latency stand-in (`tools/scripted_llm.py`), each endpoint's concurrency
+reached and the stage within 1.3 x (ceil(2RQ / C) L + 2L)."""
+
+import collections
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from cmimem_jax.client import CallResult, EndpointConfig, OpenAIClient
+from cmimem_jax.cmi.reward import RewardComputer, RolloutInput
+from cmimem_jax.config import memory_defaults
+from cmimem_jax.data import bundled_path, load_dataset
+from cmimem_jax.encoders import HashingEncoder
+from cmimem_jax.evaluation.answering import MemoryContext
+from cmimem_jax.evaluation.judges import LLMJudge
+from cmimem_jax.memory import MemoryBank
+from cmimem_jax.memory.dsl import parse
+from cmimem_jax.task.episode import (Episode, RolloutScorer, apply_to_copy,
+                                     score_rollouts, session_questions)
+from cmimem_jax.task.qa_reward import QAReward
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..",
+                                "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..",
+                                "evaluation"))
+from fake_openai import FakeOpenAI  # noqa: E402
+from scripted_llm import ScriptedLLM  # noqa: E402
+
+ENCODER = HashingEncoder(64)
+MEMORY = memory_defaults()
+
+
+def serial_scores(episodes, texts, group_size, qa, computer):
+  """Today's scoring (before the scorer): row after row, each rollout's
+  answers (`chat_many`), then their verdicts (`judge_many`)."""
+  rollouts = []
+  for row, text in enumerate(texts):
+    episode = episodes[row // group_size]
+    response = parse(text)
+    qa_reward, counts, after = 0.0, None, None
+    if response.valid:
+      after = apply_to_copy(episode.bank, episode.session, response, ENCODER,
+                            MEMORY)
+      contexts, counts = qa_contexts(qa, after, episode)
+      answers = qa.answerer.chat_many(
+          [[{"role": "user", "content": c.prompt}] for c in contexts])
+      answered = [(q, a.text) for q, a in zip(episode.questions, answers)
+                  if a.ok]
+      qa.failures["answer"] += len(contexts) - len(answered)
+      verdicts = qa.judge.judge_many([q for q, _ in answered],
+                                     [a for _, a in answered])
+      scores = [s for s, _ in verdicts if s is not None]
+      qa.failures["judge"] += len(verdicts) - len(scores)
+      qa_reward = float(np.mean(scores)) if scores else 0.0
+    rollouts.append(RolloutInput(episode.bank, episode.session.format(),
+                                 response, qa_reward, counts, after,
+                                 episode.session.user_turns(),
+                                 episode.expert))
+  return computer(rollouts)
+
+
+def qa_contexts(qa, bank, episode):
+  contexts = MemoryContext(bank, episode.dialogue, ENCODER, qa.top_k,
+                           qa.chunk_budget_chars).many(episode.questions)
+  types = {e.entry_id: e.memory_type for e in bank.entries()}
+  return contexts, dict(collections.Counter(
+      types[i] for c in contexts for i in c.retrieved if i in types))
+
+
+@pytest.fixture(scope="module")
+def step():
+  """4 episodes (sessions with 2-4 QA pairs) x 4 rollouts: DSL responses
+  that store different user sentences (so the answers and rewards differ),
+  one invalid."""
+  dialogues = load_dataset("longmemeval", bundled_path())
+  episodes, texts = [], []
+  for dialogue in dialogues[:2]:
+    for session in dialogue.sessions[1:3]:
+      episode = Episode(dialogue, session,
+                        MemoryBank(dialogue.dialogue_id, ENCODER.dim),
+                        session_questions(dialogue, session))
+      episodes.append(episode)
+      sentences = [t.text.split(".")[0].replace("|", " ")
+                   for t in session.turns if t.role == "user"]
+      for i in range(4):
+        if i == 3 and len(episodes) == 2:
+          texts.append("CORE:APPEND|only a core line")  # Invalid.
+          continue
+        stored = sentences[i % len(sentences)]
+        texts.append(f"CORE:APPEND|Name: {dialogue.dialogue_id}\n"
+                     f"EPISODIC:ADD|{session.date_text}: {stored}\n"
+                     f"SEMANTIC:ADD|{stored[:40]} - Fact: {i}\n"
+                     "PROCEDURAL:SKIP")
+  return episodes, texts
+
+
+def llm_reward(answer_url, judge_url, concurrency, **endpoint):
+  values = dict(model="stand-in", timeout_s=30.0, max_retries=0,
+                backoff_s=0.01, concurrency=concurrency, max_tokens=64)
+  values.update(endpoint)
+  answerer = OpenAIClient(EndpointConfig(base_url=answer_url, **values))
+  judge = LLMJudge(OpenAIClient(EndpointConfig(base_url=judge_url,
+                                               **values)))
+  return QAReward(ENCODER, "llm", top_k=5, answerer=answerer, judge=judge)
+
+
+def records(terms):
+  """What `rollouts.jsonl` holds of each rollout's terms."""
+  return [json.dumps({**t.scalars(), "semantic_skip_statement_rhos":
+                      t.semantic_skip_statement_rhos}) for t in terms]
+
+
+def test_every_call_in_flight_same_rewards_within_the_latency_bound(step):
+  episodes, texts = step
+  group, latency, concurrency = 4, 0.2, 16
+  rows, questions = len(texts), sum(len(e.questions) * group
+                                    for e in episodes)
+  computer = RewardComputer(ENCODER)
+  with ScriptedLLM() as instant:  # The oracle takes 2R calls' time.
+    oracle = serial_scores(episodes, texts, group,
+                           llm_reward(instant.base_url, instant.base_url, 8),
+                           computer)
+  with ScriptedLLM(latency_s=latency) as answers, ScriptedLLM(
+      latency_s=latency) as judges:
+    qa = llm_reward(answers.base_url, judges.base_url, concurrency)
+    start = time.perf_counter()
+    scorer = RolloutScorer(ENCODER, MEMORY, qa, computer)
+    # Added in two parts (as decoding waves would add them).
+    half = len(episodes) // 2
+    scorer.add(episodes[:half], texts[:half * group], group)
+    scorer.add(episodes[half:], texts[half * group:], group)
+    parsed, terms = scorer.finish()
+    elapsed = time.perf_counter() - start
+    answer_stats, judge_stats = answers.stats(), judges.stats()
+  assert len(parsed) == rows and not parsed[group * 2 - 1].valid
+  # The same calls, and the same rewards and logged terms byte for byte.
+  valid_questions = questions - len(episodes[1].questions)
+  assert answer_stats["answered"] == judge_stats["answered"] == (
+      valid_questions)
+  assert records(terms) == records(oracle)
+  assert len({t.qa for t in terms}) > 2  # Rewards that tell rollouts apart.
+  assert dict(qa.failures) == {"answer": 0, "judge": 0}
+  # Each endpoint saw its whole concurrency; the stage within the bound.
+  assert answer_stats["peak_in_flight"] == concurrency
+  assert judge_stats["peak_in_flight"] == concurrency
+  bound = (math.ceil(2 * valid_questions / concurrency) + 2) * latency
+  assert elapsed <= 1.3 * bound, (elapsed, bound)
+
+
+def test_a_capped_endpoint_holds_requests_beyond_its_slots():
+  with ScriptedLLM(latency_s=0.05, max_in_flight=3) as server:
+    client = OpenAIClient(EndpointConfig(
+        base_url=server.base_url, model="m", concurrency=8, max_retries=0))
+    prompt = "Core Memory (User Profile):\nnone\n\nRetrieved Memories:\n1. x"
+    results = client.chat_many([[{"role": "user", "content": prompt}]] * 9)
+    stats = server.stats()
+  assert [r.text for r in results] == ["x"] * 9
+  assert stats["peak_in_flight"] == 3 and stats["answered"] == 9
+  assert stats["in_flight"] == 0 and stats["max_in_flight"] == 3
+
+
+def test_failing_endpoints_give_todays_counts(step):
+  """500s, 400s and timeouts (by prompt content, so every order of the
+  calls meets the same failures) counted as the serial scoring counts
+  them."""
+  episodes, texts = step
+  first = {e.questions[0].question for e in episodes}
+  second = {e.questions[1].question for e in episodes}
+  last = {e.questions[-1].question for e in episodes}
+
+  def behaviour(content, attempt):
+    del attempt
+    if "Gold answer" in content:  # The judge.
+      return "timeout" if any(q in content for q in last) else "ok"
+    if any(f"Question: {q}" in content for q in first):
+      return "500"
+    return "400" if any(f"Question: {q}" in content for q in second) else "ok"
+
+  computer = RewardComputer(ENCODER)
+  outcomes = []
+  for score in ("serial", "scorer"):
+    with FakeOpenAI(behaviour, delay_s=0.25) as server:
+      qa = llm_reward(server.base_url, server.base_url, 8, timeout_s=0.1,
+                      max_retries=1)
+      if score == "serial":
+        terms = serial_scores(episodes, texts, 4, qa, computer)
+      else:
+        _, terms = score_rollouts(episodes, texts, 4, ENCODER, MEMORY, qa,
+                                  computer)
+      outcomes.append((records(terms), dict(qa.failures),
+                       qa.answerer.failures.as_dict(),
+                       qa.judge.client.failures.as_dict(), server.requests))
+  assert outcomes[0] == outcomes[1]
+  _, failures, answer_calls, judge_calls, _ = outcomes[1]
+  assert failures["answer"] > 0 and failures["judge"] > 0
+  assert set(answer_calls["failed_calls"]) == {"http_5xx", "http_4xx"}
+  assert set(judge_calls["failed_calls"]) == {"timeout"}
+
+
+@dataclasses.dataclass
+class _Batches:
+  """A `ChatModel` without `submit` (our policy's shape): answers in
+  batches only."""
+  calls: list
+
+  def chat_many(self, conversations, max_tokens=None):
+    del max_tokens
+    self.calls.append(len(conversations))
+    return [CallResult("It was in May 2023.") for _ in conversations]
+
+
+def test_a_batch_only_answer_model_answers_each_rollout_in_one_call(step):
+  episodes, texts = step
+  with ScriptedLLM() as judges:
+    qa = llm_reward(judges.base_url, judges.base_url, 4)
+    qa.answerer = _Batches([])
+    _, terms = score_rollouts(episodes, texts, 4, ENCODER, MEMORY, qa,
+                              RewardComputer(ENCODER))
+  assert len(qa.answerer.calls) == len(texts) - 1  # The invalid one: none.
+  assert all(t.qa == 0.0 for t in terms)  # No gold says "May 2023".
+
+
+@pytest.mark.slow
+def test_the_plans_scoring_model_against_a_measured_training_step():
+  """`tools/scoring_check.py`: GRPO steps of configs/tiny.py with the LLM
+  judge on latency stand-ins; the scoring stage the trainer measured
+  (after the first step, which compiles the CMI kernel) is the plan's
+  `(ceil(N / C) + 1) x L` plus host work, far below the serial `2R x L`."""
+  import scoring_check
+  rows = scoring_check.main(["--latency_s=0.1", "--concurrency=4",
+                             "--steps=2"])
+  assert [r["step"] for r in rows] == [1, 2]
+  second = rows[1]
+  assert second["answer_calls"] > 4 * second["concurrency"]
+  assert second["peak_in_flight"] == [4, 4]
+  assert second["model_s"] <= second["measured_s"] <= 1.3 * second["model_s"]
+  assert second["measured_s"] < 0.7 * second["serial_s"]
