@@ -378,13 +378,8 @@ def apply_overrides(config: ml_collections.ConfigDict,
 CONFIG_FILE = "config.json"
 
 
-def write_config(config: ml_collections.ConfigDict, workdir: str) -> str:
-  """`workdir/config.json`: the config a run was started (or last resumed)
-  with, overrides included, so a workdir says what produced it; returns
-  the path."""
-  path = os.path.join(workdir, CONFIG_FILE)
-  staging = path + ".tmp"
-  with open(staging, "w", encoding="utf-8") as f:
-    f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
-  os.replace(staging, path)
-  return path
+def config_json(config: ml_collections.ConfigDict) -> str:
+  """What a job writes to `workdir/config.json` (`CONFIG_FILE`): the config
+  it was started (or last resumed) with, overrides included, so a workdir
+  says what produced it."""
+  return config.to_json_best_effort(indent=2, sort_keys=True) + "\n"

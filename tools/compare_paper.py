@@ -20,6 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from cmimem_jax.data.files import write_atomic  # noqa: E402
 from cmimem_jax.evaluation.paper import (OurResult, compare,  # noqa: E402
                                          to_markdown)
 
@@ -45,8 +46,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
           else json.dumps(comparisons, indent=1) + "\n")
   sys.stdout.write(text)
   if args.out:
-    with open(args.out, "w") as f:
-      f.write(text)
+    write_atomic(args.out, text)
   return comparisons
 
 

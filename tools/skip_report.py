@@ -38,6 +38,7 @@ sys.path.insert(0, REPO)
 import ml_collections  # noqa: E402
 
 from cmimem_jax.config import CONFIG_FILE  # noqa: E402
+from cmimem_jax.data.files import write_figure, write_json  # noqa: E402
 from cmimem_jax.data.fragments import user_statements  # noqa: E402
 from cmimem_jax.data.types import Dialogue  # noqa: E402
 from cmimem_jax.rl import read_rollouts  # noqa: E402
@@ -151,7 +152,7 @@ def plot(runs: dict[str, list[dict[str, Any]]],
     ax.legend(fontsize=8, loc="upper left")
   axes[0][0].set_ylabel("semantic SKIPs (rollouts)")
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  write_figure(fig, path)
   plt.close(fig)
 
 
@@ -200,8 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     counts["pooled"] = pooled(counts[w] for w in args.workdirs)
   print(markdown(counts))
   if args.output:
-    with open(args.output, "w", encoding="utf-8") as f:
-      json.dump(counts, f, indent=1)
+    write_json(args.output, counts)
   if args.plot:
     plot(runs, kinds, counts, args.plot)
   return 0

@@ -34,6 +34,7 @@ from cmimem_jax.config import (qa_chunk_budget, register_section,
 from cmimem_jax.data import (Dialogue, Question, WorkdirLock,
                              configured_split, load_configured, path_under,
                              read_jsonl)
+from cmimem_jax.data.files import write_json
 from cmimem_jax.encoders import Encoder, make_encoder
 from cmimem_jax.evaluation.answering import (MemoryContext, QAContext, TurnRAG,
                                              answer_many)
@@ -291,8 +292,7 @@ def record_settings(workdir: str, settings: dict[str, Any]) -> None:
   any result is written."""
   path = os.path.join(workdir, SETTINGS_FILE)
   if not os.path.exists(path):
-    with open(path, "w", encoding="utf-8") as f:
-      json.dump(settings, f, indent=1)
+    write_json(path, settings)
 
 
 def calls_in_flight(model: ChatModel | None) -> int | None:
@@ -408,6 +408,5 @@ def evaluate(config, workdir: str) -> dict:
             ("judge", judge and judge.client)) if hasattr(model, "failures")}
   result = summarize(records, config, {"build": dict(failures), **calls})
   result["seconds"] = round(time.perf_counter() - start, 2)
-  with open(os.path.join(workdir, "results.json"), "w") as f:
-    json.dump(result, f, indent=1)
+  write_json(os.path.join(workdir, "results.json"), result)
   return result

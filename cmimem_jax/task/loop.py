@@ -38,9 +38,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cmimem_jax.cmi.logprob import PolicyProfileLM
 from cmimem_jax.cmi.reward import RewardComputer, RewardConfig
-from cmimem_jax.config import (Interrupted, finite_number, register_section,
-                               validate_config, write_config)
+from cmimem_jax.config import (CONFIG_FILE, Interrupted, config_json,
+                               finite_number, register_section,
+                               validate_config)
 from cmimem_jax.data import Dialogue, WorkdirLock, load_configured
+from cmimem_jax.data.files import write_atomic
 from cmimem_jax.encoders import encoder_identity, make_encoder
 from cmimem_jax.memory.builder import EDIT_COUNTERS
 from cmimem_jax.memory.compression import memory_editors
@@ -264,7 +266,7 @@ class Trainer:
       self.lock.acquire()
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() == 0:
-      write_config(config, workdir)
+      write_atomic(os.path.join(workdir, CONFIG_FILE), config_json(config))
     self.mesh = make_mesh(config.mesh)
     self.dialogues = training_dialogues(config.dataset)
     self.encoder = make_encoder(config.encoder)
@@ -596,8 +598,7 @@ def train(config, workdir: str,
     if not os.path.exists(before_path):  # The initial policy's response.
       echo(f"the initial policy writes memory for session {demo_session}"
            " ...")
-      with open(before_path, "w") as f:
-        f.write(loop.greedy_response(demo_ref))
+      write_atomic(before_path, loop.greedy_response(demo_ref))
     loop.run(stop, echo)
   echo("the trained policy writes memory for the same session ...")
   after = loop.greedy_response(demo_ref)

@@ -23,7 +23,7 @@ from typing import Any
 from absl import logging
 
 from cmimem_jax.client import Messages
-from cmimem_jax.data.files import path_under, read_jsonl
+from cmimem_jax.data.files import path_under, read_jsonl, write_json
 from cmimem_jax.data.types import Dialogue
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.memory.apply import MemoryEditors
@@ -123,8 +123,7 @@ def build_expert_snapshots(dialogues: Sequence[Dialogue], respond: Responder,
       raise ValueError(f"{directory} holds expert states of other settings "
                        f"({', '.join(changed)}): use a new directory")
   else:
-    with open(settings_path, "w", encoding="utf-8") as f:
-      json.dump(settings, f, indent=1)
+    write_json(settings_path, settings)
   built = 0
   with open(os.path.join(directory, TEACHER_LOG), "a", encoding="utf-8") as log:
     for dialogue in dialogues:
