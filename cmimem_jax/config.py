@@ -291,6 +291,29 @@ class Interrupted(Exception):
     self.signum = signum
 
 
+class CallsFailed(RuntimeError):
+  """More of a job's endpoint calls failed than it accepts: what they
+  would have produced is missing, never guessed (exit 1, one line)."""
+
+
+def check_failures(failed: int, total: int, max_rate: float, subject: str,
+                   kept: str = "") -> None:
+  """Raises `CallsFailed` when any of `total` calls failed and either all
+  did or more than `max_rate` of them (a user's `--max_failure_rate`).
+
+  Args:
+    subject: what failed, naming the endpoint ("teacher calls to URL").
+    kept: what was kept for a rerun, said after the count.
+  """
+  if not failed or (failed < total and failed <= max_rate * total):
+    return
+  count = f"all {total}" if failed == total else f"{failed} of {total}"
+  over = ("" if failed == total else
+          f" (more than --max_failure_rate={max_rate:g})")
+  raise CallsFailed(f"{count} {subject} failed{over}"
+                    + (f"; {kept}" if kept else ""))
+
+
 def _fail(message: str, code: int) -> None:
   import sys
   print(f"error: {message}", file=sys.stderr)
