@@ -359,7 +359,8 @@ def run_command(main: Callable[[list[str]], None], workdir: bool = True
     except Exception as e:  # noqa: BLE001 - any bad flag, file, override.
       if os.environ.get(TRACEBACK_ENV):
         raise
-      text = " ".join(str(e).split()).strip('"').strip("'")
+      text = (unknown_override(argv)
+              or " ".join(str(e).split()).strip('"').strip("'"))
       _fail(f"{text} (--config FILE or a --config.KEY=VALUE override; "
             f"{TRACEBACK_ENV}=1 shows the traceback)", 2)
       raise  # Unreachable: _fail exits.
@@ -383,6 +384,64 @@ def run_command(main: Callable[[list[str]], None], workdir: bool = True
             1)
 
   app.run(guarded, flags_parser=parse)
+
+
+def field_paths(config: Any, prefix: str = "") -> list[str]:
+  """Every dotted field of a config, sections included ("rl",
+  "rl.max_steps", ...)."""
+  paths = []
+  for key, value in config.items():
+    paths.append(f"{prefix}{key}")
+    if hasattr(value, "items"):
+      paths += field_paths(value, f"{prefix}{key}.")
+  return paths
+
+
+def _load_config_file(spec: str) -> Any:
+  """The config of `--config=FILE[:ARG]`, loaded as config_flags does."""
+  import importlib.util
+  path, _, argument = spec.partition(":")
+  module_spec = importlib.util.spec_from_file_location("_user_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(argument) if argument else module.get_config()
+
+
+def unknown_field(config: Any, path: str) -> str | None:
+  """"unknown field rl.steps (nearest known: rl.max_steps)" when `path`
+  names no field of `config`, else None."""
+  known = field_paths(config)
+  if path in known:
+    return None
+  import difflib
+  near = difflib.get_close_matches(path, known, n=1, cutoff=0.5)
+  leaf = path.rsplit(".", 1)[-1]
+  if not near:  # The same name in another section, say.
+    near = [p for p in known if p.rsplit(".", 1)[-1] == leaf][:1]
+  return f"unknown field {path}" + (f" (nearest known: {near[0]})" if near
+                                    else "")
+
+
+def unknown_override(argv: list[str]) -> str | None:
+  """For a command line whose `--config.KEY=VALUE` names no field of its
+  `--config` file: the `unknown_field` line of the first such KEY (None
+  when every KEY is known or the file itself does not load)."""
+  import re
+  spec = next((a.split("=", 1)[1] for a in argv
+               if a.startswith("--config=")), None)
+  if spec is None:
+    return None
+  try:
+    config = _load_config_file(spec)
+  except Exception:  # noqa: BLE001 - the file's own error is reported.
+    return None
+  for argument in argv:
+    match = re.match(r"--config\.([^=]+)", argument)
+    if match:
+      problem = unknown_field(config, match.group(1))
+      if problem:
+        return problem
+  return None
 
 
 def apply_overrides(config: ml_collections.ConfigDict,

@@ -40,7 +40,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.exit(2, f"{parser.prog}: error: no {', '.join(missing) or 'workdir'}"
                 " (--results takes `python -m cmimem_jax.evaluate` workdirs,"
                 " comma separated)\n")
-  ours = [OurResult.load(d) for d in workdirs]
+  try:
+    ours = [OurResult.load(d) for d in workdirs]
+  except (OSError, ValueError) as e:  # A garbage or unreadable file.
+    parser.exit(1, f"{parser.prog}: error: {e}\n")
   comparisons = compare(ours)
   text = (to_markdown(comparisons) if args.format == "markdown"
           else json.dumps(comparisons, indent=1) + "\n")

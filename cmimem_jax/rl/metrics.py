@@ -110,6 +110,25 @@ class MetricsWriter:
       self._rollouts.write(json.dumps({"step": step, **record}) + "\n")
     self._rollouts.flush()
 
+  def truncate_after(self, step: int) -> None:
+    """Cuts the records of steps after `step` from the JSONL files, in
+    place (a full disk has no room for a rewritten copy): a failed
+    checkpoint save leaves the files ending at the last saved step."""
+    for file in (self._file, self._rollouts):
+      if file is None or file.closed:
+        continue
+      file.flush()
+      offset = 0
+      with open(file.name, "rb") as f:
+        for line in f:
+          try:
+            if json.loads(line).get("step", 0) > step:
+              break
+          except ValueError:  # A torn last line: cut with the rest.
+            break
+          offset += len(line)
+      os.truncate(file.name, offset)
+
   def close(self) -> None:
     self._file.close()
     if self._rollouts is not None:

@@ -44,6 +44,7 @@ from cmimem_jax.memory.extractive import ResponseFits, extractive_operations
 from cmimem_jax.memory.types import MemoryType, Operation
 from cmimem_jax.models.host_memory import return_large_blocks
 from cmimem_jax.parallel import batch_divisor, make_mesh
+from cmimem_jax.rl.checkpoint import metrics_follow_checkpoints
 from cmimem_jax.rl import (Checkpointer, Learner, MetricsWriter,
                            OptimizerConfig, SFTLossConfig, StopSignals,
                            TrainStepConfig, supervised_batch)
@@ -275,6 +276,7 @@ def run_sft(config, workdir: str,
 
   with contextlib.ExitStack() as stack:
     stack.callback(writer.close)
+    stack.enter_context(metrics_follow_checkpoints(checkpointer, writer))
     stack.callback(checkpointer.wait)
     stop = stack.enter_context(StopSignals())
     while step < total:
