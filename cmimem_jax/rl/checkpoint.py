@@ -257,9 +257,9 @@ class Checkpointer:
       where = os.path.join(self.directory, str(step))
       if out_of_space(error):
         free = shutil.disk_usage(self.directory).free
-        cause = (f"no space left on the device (a checkpoint needs about "
-                 f"{_size(size)}, {_size(free)} free with its partial "
-                 "files removed)")
+        cause = (f"no space left on the device (a checkpoint holds "
+                 f"{_size(size)} of arrays, before compression; "
+                 f"{_size(free)} free with its partial files removed)")
       else:
         cause = f"{type(error).__name__}: {' '.join(str(error).split())}"
       raise CheckpointNotSaved(f"checkpoint {where} not saved: {cause}"

@@ -67,8 +67,8 @@ def test_a_failed_save_is_one_error_and_metrics_end_at_the_last_saved(
   message = str(failed.value)
   assert "\n" not in message
   assert message.startswith(f"checkpoint {directory / '2'} not saved: no "
-                            "space left on the device (a checkpoint needs "
-                            "about 16.0 KiB, ")
+                            "space left on the device (a checkpoint holds "
+                            "16.0 KiB of arrays, before compression; ")
   assert message.endswith(f"{tmp_path / 'metrics.jsonl'} ends at step 1, "
                           "the last saved checkpoint: free space, then rerun "
                           "to resume from step 1")
