@@ -92,22 +92,18 @@ def _run_dir(directory: pathlib.Path, rollouts: str) -> pathlib.Path:
   return directory
 
 
-def test_skip_report_names_a_malformed_rollouts_file(tmp_path, capsys):
-  torn = _run_dir(tmp_path / "torn", '{"step": 1, "session": "a/0"}\n'
-                  '{"step": 2, bad json\n{"step": 3}\n')
-  assert skip_report.main([str(torn)]) == 1
-  assert capsys.readouterr().err == (
-      f"{torn / 'rollouts.jsonl'}:2: malformed record: Expecting property "
-      "name enclosed in double quotes: line 1 column 13 (char 12)\n")
-  other = _run_dir(tmp_path / "other", '{"step": 1, "session": "a/0"}\n'
-                   '["not", "a", "record"]\n')
-  assert skip_report.main([str(other)]) == 1
-  assert capsys.readouterr().err == (
-      f"{other / 'rollouts.jsonl'}: record 2 is not a rollout record (it "
-      "needs an integer step and a session)\n")
-  unknown = _run_dir(tmp_path / "unknown",
-                     '{"step": 1, "session": "nobody/0"}\n')
-  assert skip_report.main([str(unknown)]) == 1
-  assert capsys.readouterr().err == (
-      f"{unknown / 'rollouts.jsonl'}: rollouts of sessions not in the run's "
-      "dataset: ['nobody/0']\n")
+@pytest.mark.parametrize("rollouts,expected", [
+    ('{"step": 1, "session": "a/0"}\n{"step": 2, bad json\n{"step": 3}\n',
+     ":2: malformed record: Expecting property name enclosed in double "
+     "quotes: line 1 column 13 (char 12)"),
+    ('{"step": 1, "session": "a/0"}\n["not", "a", "record"]\n',
+     ": record 2 is not a rollout record (it needs an integer step and a "
+     "session)"),
+    ('{"step": 1, "session": "nobody/0"}\n',
+     ": rollouts of sessions not in the run's dataset: ['nobody/0']"),
+])
+def test_skip_report_names_a_malformed_rollouts_file(tmp_path, capsys,
+                                                     rollouts, expected):
+  run = _run_dir(tmp_path / "run", rollouts)
+  assert skip_report.main([str(run)]) == 1
+  assert capsys.readouterr().err == f"{run / 'rollouts.jsonl'}{expected}\n"

@@ -23,7 +23,8 @@ from cmimem_jax.rl.checkpoint import CheckpointNotSaved
 from cmimem_jax.task.loop import Trainer
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "rl"))
-from test_checkpoint_failures import _fail_writes_of  # noqa: E402
+from test_checkpoint_failures import (_fail_writes_of,  # noqa: E402
+                                      assert_full_disk_line)
 from test_train import ScriptedEngine, tiny_config  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -80,13 +81,8 @@ def test_a_failed_save_cuts_the_metrics_back_to_the_last_saved_step(
     _fail_writes_of(2, patch)
     with pytest.raises(CheckpointNotSaved) as failed:
       trainer.run()
-  message = str(failed.value)
-  assert "\n" not in message
-  assert message.startswith(f"checkpoint {workdir / 'checkpoints' / '2'} "
-                            "not saved: no space left on the device (a "
-                            "checkpoint holds ")
-  assert message.endswith("ends at step 1, the last saved checkpoint: free "
-                          "space, then rerun to resume from step 1")
+  assert_full_disk_line(str(failed.value), workdir / "checkpoints" / "2",
+                        workdir / "metrics.jsonl", 1)
   assert sorted(os.listdir(workdir / "checkpoints")) == ["1"]
   assert [m["step"] for m in read_metrics(str(workdir))] == [1]
 

@@ -33,6 +33,17 @@ def _state(seed: int) -> tuple[dict, dict]:
   return params, {"m": jax.tree.map(lambda x: x * 0.5, params)}
 
 
+def assert_full_disk_line(message: str, checkpoint, metrics, last: int
+                          ) -> None:
+  """`message` is the one line of a save that found the disk full."""
+  assert "\n" not in message
+  assert message.startswith(f"checkpoint {checkpoint} not saved: no space "
+                            "left on the device (a checkpoint holds ")
+  assert message.endswith(f"{metrics} ends at step {last}, the last saved "
+                          "checkpoint: free space, then rerun to resume from "
+                          f"step {last}")
+
+
 def _fail_writes_of(step: int, monkeypatch) -> None:
   """Every array write of checkpoint `step` raises tensorstore's ENOSPC."""
   write = serialization.async_serialize_from_host
@@ -64,14 +75,10 @@ def test_a_failed_save_is_one_error_and_metrics_end_at_the_last_saved(
         checkpointer.save(step, params, opt_state, key, {"step": step})
       checkpointer.wait()
   writer.close()
-  message = str(failed.value)
-  assert "\n" not in message
-  assert message.startswith(f"checkpoint {directory / '2'} not saved: no "
-                            "space left on the device (a checkpoint holds "
-                            "16.0 KiB of arrays, before compression; ")
-  assert message.endswith(f"{tmp_path / 'metrics.jsonl'} ends at step 1, "
-                          "the last saved checkpoint: free space, then rerun "
-                          "to resume from step 1")
+  assert_full_disk_line(str(failed.value), directory / "2",
+                        tmp_path / "metrics.jsonl", 1)
+  assert "(a checkpoint holds 16.0 KiB of arrays, before compression; " in (
+      str(failed.value))
   # orbax's threads' reports of the same error are not logged.
   assert not [r for r in caplog.records if "No space" in r.getMessage()
               or (r.exc_info and out_of_space(r.exc_info[1]))]
