@@ -1,16 +1,20 @@
 """One line for every bad input: an unknown config key names the nearest
 known one, a garbage results file (compare_paper) or a malformed
-rollouts file (skip_report) names the file and line, and a run refused
-by its inputs leaves no workdir."""
+rollouts file (skip_report) names the file and line, a run refused by its
+inputs leaves no workdir, and a dead teacher endpoint (make_sft_data)
+writes nothing."""
 
+import functools
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
 import pytest
 
+from cmimem_jax.client import EndpointConfig
 from cmimem_jax.config import unknown_field, unknown_override
 from cmimem_jax.data import DatasetError
 from cmimem_jax.task.loop import Trainer
@@ -18,6 +22,7 @@ from cmimem_jax.task.loop import Trainer
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent
                        / "tools"))
 import compare_paper  # noqa: E402
+import make_sft_data  # noqa: E402
 import skip_report  # noqa: E402
 
 from test_train import tiny_config  # noqa: E402, I100
@@ -107,3 +112,22 @@ def test_skip_report_names_a_malformed_rollouts_file(tmp_path, capsys,
   run = _run_dir(tmp_path / "run", rollouts)
   assert skip_report.main([str(run)]) == 1
   assert capsys.readouterr().err == f"{run / 'rollouts.jsonl'}{expected}\n"
+
+
+def test_make_sft_data_with_a_dead_teacher_writes_nothing(tmp_path,
+                                                          monkeypatch):
+  with socket.socket() as probe:  # A port where nothing listens.
+    probe.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{probe.getsockname()[1]}/v1"
+  monkeypatch.setattr(make_sft_data, "EndpointConfig",
+                      functools.partial(EndpointConfig, max_retries=0))
+  output = tmp_path / "sft.jsonl"
+  with pytest.raises(SystemExit) as failed:
+    make_sft_data.main([
+        "--teacher=endpoint", f"--base_url={dead}", "--model=x",
+        "--dataset=longmemeval", "--encoder=hashing", "--dim=32",
+        f"--input={tiny_config().dataset.path}", f"--output={output}"])
+  assert failed.value.code == (
+      f"error: all 15 teacher calls to {dead} failed; nothing written to "
+      f"{output}")
+  assert not output.exists()
