@@ -11,8 +11,8 @@ checkpoint cannot be read it is reported and the previous one is used.
 
 A save that fails (a full disk, above all) raises `CheckpointNotSaved`
 from `save` or `wait`, whichever joins it: one message naming the
-directory and, for a full disk, the space a checkpoint needs and what is
-free; its temporary directory (`N.orbax-checkpoint-tmp*`) is removed, and
+checkpoint and, for a full disk, the bytes a checkpoint holds and what
+is free; its temporary directory (`N.orbax-checkpoint-tmp*`) is removed, and
 orbax's own reports of the same out-of-space error (a traceback from each
 of its threads) are not logged. `metrics_follow_checkpoints` then cuts a
 run's metrics back to the last saved step.
@@ -28,7 +28,6 @@ import logging
 import os
 import shutil
 import sys
-import threading
 from collections.abc import Iterator
 from typing import Any
 

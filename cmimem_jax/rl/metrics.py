@@ -111,13 +111,18 @@ class MetricsWriter:
     self._rollouts.flush()
 
   def truncate_after(self, step: int) -> None:
-    """Cuts the records of steps after `step` from the JSONL files, in
-    place (a full disk has no room for a rewritten copy): a failed
-    checkpoint save leaves the files ending at the last saved step."""
+    """Closes the JSONL files and cuts the records of steps after `step`
+    from them, in place (a full disk has no room for a rewritten copy): a
+    failed checkpoint save leaves them ending at the last saved step."""
     for file in (self._file, self._rollouts):
       if file is None or file.closed:
         continue
-      file.flush()
+      try:
+        # Closed first: a buffered tail the full disk refused now is never
+        # written after the cut.
+        file.close()
+      except OSError:
+        pass
       offset = 0
       with open(file.name, "rb") as f:
         for line in f:
