@@ -291,6 +291,29 @@ class Interrupted(Exception):
     self.signum = signum
 
 
+class CallsFailed(RuntimeError):
+  """More of a job's endpoint calls failed than it accepts: what they
+  would have produced is missing, never guessed (exit 1, one line)."""
+
+
+def check_failures(failed: int, total: int, max_rate: float, subject: str,
+                   kept: str = "") -> None:
+  """Raises `CallsFailed` when any of `total` calls failed and either all
+  did or more than `max_rate` of them (a user's `--max_failure_rate`).
+
+  Args:
+    subject: what failed, naming the endpoint ("teacher calls to URL").
+    kept: what was kept for a rerun, said after the count.
+  """
+  if not failed or (failed < total and failed <= max_rate * total):
+    return
+  count = f"all {total}" if failed == total else f"{failed} of {total}"
+  over = ("" if failed == total else
+          f" (more than --max_failure_rate={max_rate:g})")
+  raise CallsFailed(f"{count} {subject} failed{over}"
+                    + (f"; {kept}" if kept else ""))
+
+
 def _fail(message: str, code: int) -> None:
   import sys
   print(f"error: {message}", file=sys.stderr)
@@ -336,7 +359,8 @@ def run_command(main: Callable[[list[str]], None], workdir: bool = True
     except Exception as e:  # noqa: BLE001 - any bad flag, file, override.
       if os.environ.get(TRACEBACK_ENV):
         raise
-      text = " ".join(str(e).split()).strip('"').strip("'")
+      text = (unknown_override(argv)
+              or " ".join(str(e).split()).strip('"').strip("'"))
       _fail(f"{text} (--config FILE or a --config.KEY=VALUE override; "
             f"{TRACEBACK_ENV}=1 shows the traceback)", 2)
       raise  # Unreachable: _fail exits.
@@ -362,6 +386,64 @@ def run_command(main: Callable[[list[str]], None], workdir: bool = True
   app.run(guarded, flags_parser=parse)
 
 
+def field_paths(config: Any, prefix: str = "") -> list[str]:
+  """Every dotted field of a config, sections included ("rl",
+  "rl.max_steps", ...)."""
+  paths = []
+  for key, value in config.items():
+    paths.append(f"{prefix}{key}")
+    if hasattr(value, "items"):
+      paths += field_paths(value, f"{prefix}{key}.")
+  return paths
+
+
+def _load_config_file(spec: str) -> Any:
+  """The config of `--config=FILE[:ARG]`, loaded as config_flags does."""
+  import importlib.util
+  path, _, argument = spec.partition(":")
+  module_spec = importlib.util.spec_from_file_location("_user_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(argument) if argument else module.get_config()
+
+
+def unknown_field(config: Any, path: str) -> str | None:
+  """"unknown field rl.steps (nearest known: rl.max_steps)" when `path`
+  names no field of `config`, else None."""
+  known = field_paths(config)
+  if path in known:
+    return None
+  import difflib
+  near = difflib.get_close_matches(path, known, n=1, cutoff=0.5)
+  leaf = path.rsplit(".", 1)[-1]
+  if not near:  # The same name in another section, say.
+    near = [p for p in known if p.rsplit(".", 1)[-1] == leaf][:1]
+  return f"unknown field {path}" + (f" (nearest known: {near[0]})" if near
+                                    else "")
+
+
+def unknown_override(argv: list[str]) -> str | None:
+  """For a command line whose `--config.KEY=VALUE` names no field of its
+  `--config` file: the `unknown_field` line of the first such KEY (None
+  when every KEY is known or the file itself does not load)."""
+  import re
+  spec = next((a.split("=", 1)[1] for a in argv
+               if a.startswith("--config=")), None)
+  if spec is None:
+    return None
+  try:
+    config = _load_config_file(spec)
+  except Exception:  # noqa: BLE001 - the file's own error is reported.
+    return None
+  for argument in argv:
+    match = re.match(r"--config\.([^=]+)", argument)
+    if match:
+      problem = unknown_field(config, match.group(1))
+      if problem:
+        return problem
+  return None
+
+
 def apply_overrides(config: ml_collections.ConfigDict,
                     overrides: dict[str, object]) -> ml_collections.ConfigDict:
   """Sets dotted fields in place (`{"rl.max_steps": 3}`), as
@@ -378,13 +460,8 @@ def apply_overrides(config: ml_collections.ConfigDict,
 CONFIG_FILE = "config.json"
 
 
-def write_config(config: ml_collections.ConfigDict, workdir: str) -> str:
-  """`workdir/config.json`: the config a run was started (or last resumed)
-  with, overrides included, so a workdir says what produced it; returns
-  the path."""
-  path = os.path.join(workdir, CONFIG_FILE)
-  staging = path + ".tmp"
-  with open(staging, "w", encoding="utf-8") as f:
-    f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
-  os.replace(staging, path)
-  return path
+def config_json(config: ml_collections.ConfigDict) -> str:
+  """What a job writes to `workdir/config.json` (`CONFIG_FILE`): the config
+  it was started (or last resumed) with, overrides included, so a workdir
+  says what produced it."""
+  return config.to_json_best_effort(indent=2, sort_keys=True) + "\n"

@@ -5,24 +5,42 @@ work is `evaluation.run.evaluate`.
       [--config.dataset.name=locomo --config.dataset.path=FILE] \
       [--config.method=rag|prompting|policy] \
       [--config.judge.kind=context_recall|llm] [--config.limit=N]
+
+`results.json` is written whatever failed; the command then exits 1 with
+one line naming the endpoints when any question could not be scored
+(a failed answer, judge or builder call), unless `--max_failure_rate`
+accepts that fraction. A rerun redoes only those questions.
 """
 
 import json
 
 from absl import app, flags
 
-from cmimem_jax.config import run_command
-from cmimem_jax.evaluation.run import evaluate
+from cmimem_jax.config import check_failures, run_command
+from cmimem_jax.evaluation.run import evaluate, failed_endpoints
+
+flags.DEFINE_float("max_failure_rate", 0.0,
+                   "Exit 0 although up to this fraction of the questions "
+                   "could not be scored (failed endpoint calls).")
 
 
 def main(argv: list[str]) -> None:
   del argv
   if not flags.FLAGS.workdir:
     raise app.UsageError("--workdir is required")
+  if not 0.0 <= flags.FLAGS.max_failure_rate <= 1.0:
+    raise app.UsageError("--max_failure_rate must be in [0, 1]")
   result = evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
   print(json.dumps({k: result[k] for k in ("dataset", "method", "judge",
                                            "overall", "by_category", "n",
-                                           "failures")}, indent=1))
+                                           "failures", "missing")},
+                   indent=1), flush=True)
+  check_failures(result["failures"] + result["missing"],
+                 result["n"] + result["missing"],
+                 flags.FLAGS.max_failure_rate,
+                 f"questions could not be scored: calls to "
+                 f"{failed_endpoints(flags.FLAGS.config, result)}",
+                 "results.json holds the others; a rerun redoes only them")
 
 
 if __name__ == "__main__":

@@ -147,7 +147,12 @@ def training() -> ml_collections.ConfigDict:
   config.qa = ml_collections.ConfigDict({
       "judge": "llm",  # context_recall | llm
       "top_k": 10, "prompt": "listing11",
-      "answer": endpoint(), "judge_endpoint": endpoint()})
+      "answer": endpoint(), "judge_endpoint": endpoint(),
+      # QA calls (answer + judge) of one step that may fail (after their
+      # retries) before the run stops, ahead of that step's update: a
+      # question never judged is no reward, and a dead endpoint must not
+      # train the policy on zeros.
+      "max_failure_rate": 0.0})
   config.rl = ml_collections.ConfigDict({
       "sessions_per_batch": 32, "epochs": 5, "max_steps": 0,
       # 8 micro-batches of 4 sessions: on a v5p-8 each chip packs one

@@ -148,6 +148,7 @@ NOT_IN_PAPER = {
     "rollout.max_rows_per_wave": "memory bound of decoding",
     "rollout.release_programs_each_step": "host memory of a CPU run",
     "qa.answer.": "an endpoint", "qa.judge_endpoint.": "an endpoint",
+    "qa.max_failure_rate": "failed endpoint calls accepted per step",
     "judge.endpoint.": "an endpoint", "answer.endpoint.": "an endpoint",
     "builder.endpoint.": "an endpoint",
     "memory.summarizer_endpoint.": "an endpoint (merge_summarizer='external')",

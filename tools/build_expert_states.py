@@ -18,7 +18,12 @@ each state is saved as soon as it exists in the snapshot format the
 trainer reads (`DIR/<dialogue_id>/s<t>/`). A rerun continues where the
 last one stopped; rejected (invalid) teacher responses leave the state
 unchanged and are counted, every response is kept in `teacher.jsonl`.
-The encoder of the config embeds the entries: train with the same one.
+A teacher call that fails (after the client's retries) is no state: its
+dialogue stops there and the next run asks again. The run prints its
+counts as one JSON line, then exits 1 with one line naming the endpoint
+when every teacher call failed, or when more than `--max_failure_rate`
+of them did (default 0: any). The encoder of the config embeds the
+entries: train with the same one.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from absl import app, flags  # noqa: E402
 
 from cmimem_jax.client import EndpointConfig, OpenAIClient  # noqa: E402
-from cmimem_jax.config import run_command, validate_config  # noqa: E402
+from cmimem_jax.config import (check_failures, run_command,  # noqa: E402
+                               validate_config)
 from cmimem_jax.encoders import encoder_identity, make_encoder  # noqa: E402
 from cmimem_jax.evaluation.builders import (agents_responder,  # noqa: E402
                                             policy_responder)
@@ -53,6 +59,10 @@ flags.DEFINE_string("api_key_env", "OPENAI_API_KEY",
 flags.DEFINE_integer("max_tokens", 6000, "Teacher answer budget (tokens).")
 flags.DEFINE_integer("concurrency", 4, "Agent calls in flight at once.")
 flags.DEFINE_float("timeout_s", 300.0, "Per-call timeout of the teacher.")
+flags.DEFINE_integer("max_retries", 3, "Retries of a failed teacher call.")
+flags.DEFINE_float("max_failure_rate", 0.0,
+                   "Exit 0 although up to this fraction of the teacher calls "
+                   "failed (their states stay missing for a rerun).")
 
 
 def build(config, output: str, teacher, teacher_name: str,
@@ -70,9 +80,11 @@ def build(config, output: str, teacher, teacher_name: str,
   failures: collections.Counter[str] = collections.Counter()
   top_k = config.rollout.retrieval_top_k
   respond = (agents_responder(teacher, encoder, top_k,
-                              config.memory.core_cap_chars, failures)
+                              config.memory.core_cap_chars, failures,
+                              raise_on_failure=True)
              if answer_format == "agents" else
-             policy_responder(teacher, encoder, top_k, failures))
+             policy_responder(teacher, encoder, top_k, failures,
+                              raise_on_failure=True))
   # The teacher stands in for the policy (and any answer model) when the
   # memory settings ask a model to compress the core or summarise merges.
   editors = memory_editors(config.memory, {"policy": teacher,
@@ -93,13 +105,24 @@ def main(argv: list[str]) -> None:
   for name in ("output", "base_url", "model"):
     if not getattr(flags.FLAGS, name):
       raise app.UsageError(f"--{name} is required")
+  if not 0.0 <= flags.FLAGS.max_failure_rate <= 1.0:
+    raise app.UsageError("--max_failure_rate must be in [0, 1]")
   teacher = OpenAIClient(EndpointConfig(
       base_url=flags.FLAGS.base_url, model=flags.FLAGS.model,
       api_key_env=flags.FLAGS.api_key_env, timeout_s=flags.FLAGS.timeout_s,
+      max_retries=flags.FLAGS.max_retries,
       concurrency=flags.FLAGS.concurrency,
       max_tokens=flags.FLAGS.max_tokens))
-  print(json.dumps(build(flags.FLAGS.config, flags.FLAGS.output, teacher,
-                         flags.FLAGS.model, flags.FLAGS.format)))
+  counts = build(flags.FLAGS.config, flags.FLAGS.output, teacher,
+                 flags.FLAGS.model, flags.FLAGS.format)
+  print(json.dumps(counts), flush=True)
+  check_failures(counts["failed"], counts["built"] + counts["failed"],
+                 flags.FLAGS.max_failure_rate,
+                 f"sessions' teacher calls to {flags.FLAGS.base_url} "
+                 f"(attempts by kind: "
+                 f"{teacher.failures.as_dict()['failed_attempts']})",
+                 f"{counts['missing']} states not built, none saved from a "
+                 "failed call: rerun to build them")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from cmimem_jax.data.files import write_atomic  # noqa: E402
 from cmimem_jax.evaluation.paper import (OurResult, compare,  # noqa: E402
                                          to_markdown)
 
@@ -39,14 +40,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.exit(2, f"{parser.prog}: error: no {', '.join(missing) or 'workdir'}"
                 " (--results takes `python -m cmimem_jax.evaluate` workdirs,"
                 " comma separated)\n")
-  ours = [OurResult.load(d) for d in workdirs]
+  try:
+    ours = [OurResult.load(d) for d in workdirs]
+  except (OSError, ValueError) as e:  # A garbage or unreadable file.
+    parser.exit(1, f"{parser.prog}: error: {e}\n")
   comparisons = compare(ours)
   text = (to_markdown(comparisons) if args.format == "markdown"
           else json.dumps(comparisons, indent=1) + "\n")
   sys.stdout.write(text)
   if args.out:
-    with open(args.out, "w") as f:
-      f.write(text)
+    write_atomic(args.out, text)
   return comparisons
 
 

@@ -313,6 +313,10 @@ class Rehearsal:
     line = _run(self._command("build_expert_states"),
                 self._log("build_expert_states"), self.env)
     counts = json.loads(line)
+    # (The command itself exits 1 on a failed teacher call.)
+    if counts.get("failed") or counts.get("missing") or not counts.get(
+        "built"):
+      raise StageFailed(f"built {line}")
     return ", ".join(f"{k} {v}" for k, v in counts.items()
                      if k not in ("output",) and not isinstance(v, dict))
 
@@ -368,11 +372,13 @@ class Rehearsal:
     with open(os.path.join(workdir, "results.json")) as f:
       results = json.load(f)
     n, failures = results.get("n", 0), results.get("failures", -1)
+    missing = results.get("missing", -1)  # Questions of unbuilt banks.
     calls = {role: results.get("call_failures", {}).get(role, {}).get(
         "failed_calls", {}) for role in ("answer", "judge")}
     unparseable = calls["judge"].pop("unparseable_verdict", 0)
-    if n < 1 or failures or any(calls.values()):
-      raise StageFailed(f"n={n}, failures={failures}, failed calls {calls}")
+    if n < 1 or failures or missing or any(calls.values()):
+      raise StageFailed(f"n={n}, failures={failures}, missing={missing}, "
+                        f"failed calls {calls}")
     return (f"n={n} at step {KEPT_STEP}, 0 failures, 0 failed calls, "
             f"{unparseable} unparseable verdicts")
 

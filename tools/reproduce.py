@@ -71,6 +71,8 @@ import numpy as np  # noqa: E402
 
 from cmimem_jax.config import CONFIG_FILE, run_command  # noqa: E402
 from cmimem_jax.data import bundled_path, load_dataset  # noqa: E402
+from cmimem_jax.data.files import (write_atomic, write_figure,  # noqa: E402
+                                   write_json)
 from cmimem_jax.encoders import make_encoder  # noqa: E402
 from cmimem_jax.evaluation.metrics import bootstrap_interval  # noqa: E402
 from cmimem_jax.evaluation.run import evaluate, read_records  # noqa: E402
@@ -173,7 +175,7 @@ def plot_training(rl_metrics: list[dict], sft_metrics: list[dict],
          title="Reward terms per step")
   ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
   fig.tight_layout()
-  fig.savefig(os.path.join(directory, "reward_terms.png"), dpi=120)
+  write_figure(fig, os.path.join(directory, "reward_terms.png"))
   names.append("reward_terms.png")
   panels = (("validity_rate", "validity rate"),
             ("response_tokens_mean", "response tokens (mean)"),
@@ -184,7 +186,7 @@ def plot_training(rl_metrics: list[dict], sft_metrics: list[dict],
     ax.plot(steps, [m.get(key) for m in rl_metrics], marker="o")
     ax.set(xlabel="GRPO step", title=title)
   fig.tight_layout()
-  fig.savefig(os.path.join(directory, "rollout_stats.png"), dpi=120)
+  write_figure(fig, os.path.join(directory, "rollout_stats.png"))
   names.append("rollout_stats.png")
   validated = [m for m in rl_metrics if "eval/reward" in m]
   if validated:  # The held-out sessions (`rl.validation_sessions`).
@@ -197,7 +199,7 @@ def plot_training(rl_metrics: list[dict], sft_metrics: list[dict],
                  "sessions)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(directory, "validation.png"), dpi=120)
+    write_figure(fig, os.path.join(directory, "validation.png"))
     names.append("validation.png")
   if sft_metrics:
     fig, ax = plt.subplots(figsize=(5, 3.2))
@@ -206,7 +208,7 @@ def plot_training(rl_metrics: list[dict], sft_metrics: list[dict],
     ax.set(xlabel="warm-start step", ylabel="response-token NLL",
            title="Warm start")
     fig.tight_layout()
-    fig.savefig(os.path.join(directory, "warm_start_loss.png"), dpi=120)
+    write_figure(fig, os.path.join(directory, "warm_start_loss.png"))
     names.append("warm_start_loss.png")
   plt.close("all")
   return names
@@ -277,10 +279,7 @@ class StageRecord:
 
   def finish(self, stage: str, seconds: float) -> None:
     self.done[stage] = round(seconds, 1)
-    staging = self.path + ".tmp"
-    with open(staging, "w") as f:
-      json.dump(self.done, f, indent=1)
-    os.replace(staging, self.path)
+    write_json(self.path, self.done)
 
 
 # What the seed-independent stages leave in a workdir (`--reuse`): the
@@ -555,7 +554,7 @@ def plot_arms(arms: dict[str, list[dict]], directory: str) -> str:
   axes[0].axhline(0.0, color="grey", linewidth=0.8)
   axes[0].legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(os.path.join(directory, "arms.png"), dpi=120)
+  write_figure(fig, os.path.join(directory, "arms.png"))
   plt.close(fig)
   return "arms.png"
 
@@ -648,7 +647,7 @@ def plot_sweep(rows: list[dict], directory: str) -> str:
     ax.set(xlabel="GRPO step", title=f"{arm}: validation reward (greedy)")
     ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(os.path.join(directory, "sweep.png"), dpi=120)
+  write_figure(fig, os.path.join(directory, "sweep.png"))
   plt.close(fig)
   return "sweep.png"
 
@@ -738,8 +737,8 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
           f"step {step or 'newest'}")
     evaluate(_eval_config(config, run, step, start_index, len(held_out)),
              eval_dirs[policy])
-    with open(os.path.join(eval_dirs[policy], EVALUATED_FILE), "w") as f:
-      json.dump({"run": run, "step": step}, f)
+    write_json(os.path.join(eval_dirs[policy], EVALUATED_FILE),
+               {"run": run, "step": step})
 
   for policy in POLICIES:
     runs[f"eval_{policy}"] = functools.partial(evaluate_policy, policy)
@@ -762,8 +761,7 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
         text += compare_report(workdir, compare, eval_dirs)
       if sweep:
         text += sweep_report(workdir, swept, sweep_rows(swept, period))
-      with open(os.path.join(workdir, "RESULTS.md"), "w") as f:
-        f.write(text)
+      write_atomic(os.path.join(workdir, "RESULTS.md"), text)
       continue
     if stage in record.done:
       print(f"{stage}: finished in an earlier run "
@@ -833,8 +831,7 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
   if arms:
     plots.append(plot_arms(arms, workdir))
   differences = paired_differences(records)
-  with open(os.path.join(workdir, "differences.json"), "w") as f:
-    json.dump(differences, f, indent=1)
+  write_json(os.path.join(workdir, "differences.json"), differences)
   data = os.path.join(workdir, "sft_data.jsonl")
   lines = [
       "# Small reproduction (configs/small_repro.py)", "",
@@ -871,8 +868,8 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
     runs = [records] + [_evaluated_records(_eval_dirs(other))
                         for other in pool]
     pooled = seed_pooled_differences(runs)
-    with open(os.path.join(workdir, "pooled_differences.json"), "w") as f:
-      json.dump({"workdirs": [workdir, *pool], "rows": pooled}, f, indent=1)
+    write_json(os.path.join(workdir, "pooled_differences.json"),
+               {"workdirs": [workdir, *pool], "rows": pooled})
     lines += [f"## Seeds pooled ({len(runs)} runs: this one, "
               f"{', '.join(pool)})", "",
               "Per question, the difference averaged over the runs; the "
@@ -900,8 +897,8 @@ def compare_report(workdir: str, other: str, eval_dirs: dict[str, str]
   of `other` (also `compared.json`)."""
   rows = workdir_differences(_evaluated_records(eval_dirs),
                              _evaluated_records(_eval_dirs(other)))
-  with open(os.path.join(workdir, "compared.json"), "w") as f:
-    json.dump({"workdirs": [workdir, other], "rows": rows}, f, indent=1)
+  write_json(os.path.join(workdir, "compared.json"),
+             {"workdirs": [workdir, other], "rows": rows})
   names = [os.path.basename(os.path.normpath(d)) for d in (workdir, other)]
   labelled = [dict(r, policy=f"{r['policy']} ({names[0]})",
                    baseline=f"{r['baseline']} ({names[1]})") for r in rows]
@@ -960,9 +957,8 @@ def sweep_report(workdir: str, workdirs: dict[float, str],
   `sweep.png`): each arm's validation curve per rate (`rows` from
   `sweep_rows(workdirs)`; `workdirs[rate]` is `workdir` for the config's
   rate)."""
-  with open(os.path.join(workdir, "sweep.json"), "w") as f:
-    json.dump({"workdirs": list(workdirs.values()), "rows": rows}, f,
-              indent=1)
+  write_json(os.path.join(workdir, "sweep.json"),
+             {"workdirs": list(workdirs.values()), "rows": rows})
   picked = ", ".join(f"{r['arm']} {r['learning_rate']:g}" for r in rows
                      if r["chosen"])
   own = next(rate for rate, d in workdirs.items() if d == workdir)
@@ -977,8 +973,7 @@ def sweep_report(workdir: str, workdirs: dict[float, str],
            sweep_table(rows), "", f"![sweep]({plot_sweep(rows, workdir)})",
            ""]
   text = "\n".join(lines)
-  with open(os.path.join(workdir, "sweep.md"), "w") as f:
-    f.write(text)
+  write_atomic(os.path.join(workdir, "sweep.md"), text)
   return text
 
 

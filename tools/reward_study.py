@@ -53,6 +53,8 @@ from cmimem_jax.cmi.reward import (RewardComputer, RewardConfig,  # noqa: E402
                                    gaussian_shaping, normalize_text)
 from cmimem_jax.config import run_command, validate_config  # noqa: E402
 from cmimem_jax.data import Dialogue, load_dataset  # noqa: E402
+from cmimem_jax.data.files import (write_atomic, write_figure,  # noqa: E402
+                                   write_json)
 from cmimem_jax.encoders import make_encoder  # noqa: E402
 from cmimem_jax.evaluation.judges import context_recall  # noqa: E402
 from cmimem_jax.evaluation.metrics import bootstrap_interval  # noqa: E402
@@ -332,7 +334,7 @@ def plot(records: list[dict], path: str) -> None:
               ylabel="Δ evidence + context recall")
   axes[2].legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  write_figure(fig, path)
   plt.close(fig)
 
 
@@ -359,11 +361,10 @@ def run(config, output: str) -> dict:
               "qa_top_k": config.memory.qa_top_k,
               "seconds": round(time.perf_counter() - start, 1)}
   os.makedirs(output, exist_ok=True)
-  with open(os.path.join(output, "study.json"), "w") as f:
-    json.dump({"settings": settings, "summary": summary,
-               "records": records}, f, indent=1)
-  with open(os.path.join(output, "study.md"), "w") as f:
-    f.write(to_markdown(summary, settings))
+  write_json(os.path.join(output, "study.json"),
+             {"settings": settings, "summary": summary, "records": records})
+  write_atomic(os.path.join(output, "study.md"),
+               to_markdown(summary, settings))
   plot(records, os.path.join(output, "study.png"))
   return {"settings": settings, **summary}
 

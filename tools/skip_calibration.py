@@ -43,7 +43,6 @@ class is empty.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -59,6 +58,7 @@ from cmimem_jax.cmi.reward import (RewardComputer, RewardConfig,  # noqa: E402
                                    RolloutInput)
 from cmimem_jax.config import run_command, validate_config  # noqa: E402
 from cmimem_jax.data import Dialogue, load_dataset  # noqa: E402
+from cmimem_jax.data.files import write_atomic, write_json  # noqa: E402
 from cmimem_jax.data.fragments import user_statements  # noqa: E402
 from cmimem_jax.encoders import make_encoder  # noqa: E402
 from cmimem_jax.memory import MemoryBank, parse  # noqa: E402
@@ -265,12 +265,10 @@ def run(config, output: str, choose: str, check: str) -> dict:
               "conversations": sorted({r["dialogue"] for r in records}),
               "seconds": round(time.perf_counter() - start, 1)}
   os.makedirs(output, exist_ok=True)
-  with open(os.path.join(output, "calibration.json"), "w") as f:
-    json.dump({"settings": settings, "summary": summary,
-               "records": records}, f, indent=1)
+  write_json(os.path.join(output, "calibration.json"),
+             {"settings": settings, "summary": summary, "records": records})
   markdown = to_markdown(summary, settings)
-  with open(os.path.join(output, "calibration.md"), "w") as f:
-    f.write(markdown)
+  write_atomic(os.path.join(output, "calibration.md"), markdown)
   return {"settings": settings, "summary": summary, "markdown": markdown}
 
 

@@ -38,9 +38,11 @@ sys.path.insert(0, REPO)
 import ml_collections  # noqa: E402
 
 from cmimem_jax.config import CONFIG_FILE  # noqa: E402
+from cmimem_jax.data.files import write_figure, write_json  # noqa: E402
 from cmimem_jax.data.fragments import user_statements  # noqa: E402
 from cmimem_jax.data.types import Dialogue  # noqa: E402
 from cmimem_jax.rl import read_rollouts  # noqa: E402
+from cmimem_jax.rl.metrics import ROLLOUTS_FILE  # noqa: E402
 from cmimem_jax.task.loop import training_dialogues  # noqa: E402
 
 STATES_NOTHING, STATES_SOMETHING = "states nothing", "states something"
@@ -151,7 +153,7 @@ def plot(runs: dict[str, list[dict[str, Any]]],
     ax.legend(fontsize=8, loc="upper left")
   axes[0][0].set_ylabel("semantic SKIPs (rollouts)")
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  write_figure(fig, path)
   plt.close(fig)
 
 
@@ -178,7 +180,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not os.path.isdir(workdir):
       print(f"{workdir}: no such directory", file=sys.stderr)
       return 1
-    logged = read_rollouts(workdir)
+    try:
+      logged = read_rollouts(workdir)  # Names the file and line if torn.
+    except ValueError as e:
+      print(e, file=sys.stderr)
+      return 1
+    malformed = next((i for i, r in enumerate(logged, 1)
+                      if not isinstance(r, dict)
+                      or not isinstance(r.get("step"), int)
+                      or not isinstance(r.get("session"), str)), None)
+    if malformed is not None:
+      print(f"{os.path.join(workdir, ROLLOUTS_FILE)}: record {malformed} is "
+            "not a rollout record (it needs an integer step and a session)",
+            file=sys.stderr)
+      return 1
     if not logged:
       print(f"{workdir}: no logged rollouts (rollouts.jsonl; the run needs "
             "rl.log_rollouts=True)", file=sys.stderr)
@@ -194,14 +209,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as e:
       print(e, file=sys.stderr)
       return 1
+    unknown = {r["session"] for r in records} - set(kinds[workdir])
+    if unknown:
+      print(f"{os.path.join(workdir, ROLLOUTS_FILE)}: rollouts of sessions "
+            f"not in the run's dataset: {sorted(unknown)[:3]}",
+            file=sys.stderr)
+      return 1
     runs[workdir] = records
     counts[workdir] = skip_counts(records, kinds[workdir])
   if len(args.workdirs) > 1:
     counts["pooled"] = pooled(counts[w] for w in args.workdirs)
   print(markdown(counts))
   if args.output:
-    with open(args.output, "w", encoding="utf-8") as f:
-      json.dump(counts, f, indent=1)
+    write_json(args.output, counts)
   if args.plot:
     plot(runs, kinds, counts, args.plot)
   return 0

@@ -10,11 +10,22 @@ Reads LongMemEval-format records, asks an OpenAI-compatible chat model for
 `--max_tokens` tokens: keep it within the server's own cap, e.g. 512 for
 `configs/serve_cpu.py`, or every call is refused), and writes the records
 with a `session_qa` field (`{session_id: [{question, answer, type}]}`) to
-`--output` (default: `DATA_qa.json` next to the input). Sessions whose
-generation fails after retries, or whose answer is not a JSON list of
-pairs, get no pairs; they are counted and reported (a JSON line on
-stdout), never invented. A run that synthesizes no pair at all writes
-nothing and exits 1 with the reason on one line.
+`--output` (default: `DATA_qa.json` next to the input), atomically, once
+every session has its pairs. Sessions whose call fails after retries, or
+whose answer is not a JSON list of pairs, get no pairs; they are counted
+and reported (a JSON line on stdout), never invented, and the run exits 1
+with the reason on one line, naming the endpoint and how many failed,
+and writes no output, unless `--max_failure_rate` accepts that many
+(then they stay without pairs).
+
+Nothing answered is lost: each session's pairs are appended to
+`OUTPUT.progress.jsonl` as its wave of calls returns, and a rerun of the
+same command asks only for the sessions not there (the failed ones). On
+SIGTERM / Ctrl-C the calls in flight finish and are kept, and the run
+exits 128 + the signal with one line saying what was kept (a second
+Ctrl-C stops at once). A progress file of other settings (input, model,
+`--per_session`, temperature, expert states) is refused; delete it to
+synthesize again.
 
 What the model is shown:
 * `--expert_states=DIR` (the paper's protocol: its training data is
@@ -52,18 +63,23 @@ import argparse
 import collections
 import json
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from cmimem_jax.client import EndpointConfig, OpenAIClient  # noqa: E402
-from cmimem_jax.data.files import path_under  # noqa: E402
+from cmimem_jax.data.files import (path_under, read_jsonl,  # noqa: E402
+                                   write_json)
+from cmimem_jax.evaluation.run import file_sha256  # noqa: E402
 from cmimem_jax.memory.bank import MemoryBank  # noqa: E402
 from cmimem_jax.memory.json_agents import loads_llm_json  # noqa: E402
 from cmimem_jax.memory.types import MemoryType  # noqa: E402
 from cmimem_jax.task.snapshots import STATES_FILE  # noqa: E402
 
 QA_TYPES = ("single-session", "multi-session", "temporal")
+# Beside `--output`: each finished session's pairs, as they arrive.
+PROGRESS_SUFFIX = ".progress.jsonl"
 # MemBuilder's type names that mean one of ours.
 QA_TYPE_ALIASES = {"temporal-reasoning": "temporal"}
 
@@ -250,15 +266,15 @@ def load_expert_states(directory: str, records: list[dict]
   return [[MemoryBank.load(p) for p in per_record] for per_record in paths]
 
 
-def synthesize(records: list[dict], client: OpenAIClient, per_session: int,
-               history_chars: int = 3000,
-               states: list[list[MemoryBank]] | None = None
-               ) -> tuple[list[dict], dict]:
-  """Asks `client` for each session's pairs: with `states` (`banks[r][t]`,
-  `load_expert_states`) in `MEMORY_PROMPT` over that state, else in
-  `PROMPT` over the last `history_chars` of the earlier sessions."""
-  stats: collections.Counter[str] = collections.Counter()
-  jobs, prompts = [], []
+def session_prompts(records: list[dict], per_session: int,
+                    history_chars: int = 3000,
+                    states: list[list[MemoryBank]] | None = None
+                    ) -> list[tuple[tuple[int, str], list[dict]]]:
+  """`((record index, session id), messages)` of every session: with
+  `states` (`banks[r][t]`, `load_expert_states`) `MEMORY_PROMPT` over that
+  state, else `PROMPT` over the last `history_chars` of the earlier
+  sessions."""
+  jobs = []
   for r, record in enumerate(records):
     history = []
     for s, (sid, date, turns) in enumerate(zip(
@@ -273,37 +289,143 @@ def synthesize(records: list[dict], client: OpenAIClient, per_session: int,
         content = PROMPT.format(
             index=s + 1, date=date, n=per_session, session=text,
             history="\n".join(history)[-history_chars:] or "(none)")
-      prompts.append([{"role": "user", "content": content}])
-      jobs.append((r, sid))
+      jobs.append(((r, sid), [{"role": "user", "content": content}]))
       history.append(f"[{date}] {text[:600]}")
-  results = client.chat_many(prompts)
-  out = [dict(record, session_qa={}) for record in records]
+  return jobs
+
+
+class Progress:
+  """The pairs of each finished session, appended to `path` (JSONL) as
+  they arrive, so an interrupted run loses at most the calls in flight
+  and a rerun asks only for the sessions not there. The first line holds
+  the settings the pairs depend on; a file of other settings is refused
+  (its pairs would not be this run's)."""
+
+  def __init__(self, path: str, settings: dict):
+    self.path = path
+    self.done: dict[tuple[int, str], list[dict]] = {}
+    lines = read_jsonl(path)  # A torn last line (a kill) is cut off.
+    if lines and lines[0].get("settings") != settings:
+      stored = lines[0].get("settings") or {}
+      changed = sorted(k for k in set(stored) | set(settings)
+                       if stored.get(k) != settings.get(k))
+      raise ValueError(f"{path} holds QA pairs of other settings "
+                       f"({', '.join(changed)}): delete it, or use another "
+                       "--output")
+    for line in lines[1:]:
+      self.done[(line["record"], line["session_id"])] = line["pairs"]
+    self._file = open(path, "a", encoding="utf-8")
+    if not lines:
+      self._append({"settings": settings})
+
+  def _append(self, line: dict) -> None:
+    self._file.write(json.dumps(line) + "\n")
+    self._file.flush()
+    os.fsync(self._file.fileno())
+
+  def keep(self, key: tuple[int, str], pairs: list[dict]) -> None:
+    self.done[key] = pairs
+    self._append({"record": key[0], "session_id": key[1], "pairs": pairs})
+
+  def close(self) -> None:
+    self._file.close()
+
+
+class StopRequested:
+  """SIGTERM / SIGINT set `signum`; the calls in flight finish and are
+  kept, then the run stops. A second Ctrl-C stops at once."""
+
+  def __init__(self):
+    self.signum: int | None = None
+
+  def __enter__(self) -> StopRequested:
+    self._previous = {s: signal.signal(s, self._handle)
+                      for s in (signal.SIGTERM, signal.SIGINT)}
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+
+  def _handle(self, signum: int, frame: object) -> None:
+    del frame
+    if self.signum is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.signum = signum
+
+
+def synthesize(jobs: list[tuple[tuple[int, str], list[dict]]],
+               client: OpenAIClient, per_session: int, progress: Progress,
+               stop: StopRequested | None = None) -> dict:
+  """Asks `client` for the pairs of each job (`session_prompts`) not yet
+  in `progress`, a wave of `concurrency` calls at a time, keeping each
+  wave's pairs as it returns; stops between waves when `stop` is set.
+  Returns this run's counts."""
+  stats: collections.Counter[str] = collections.Counter()
+  pending = [job for job in jobs if job[0] not in progress.done]
+  stats["kept_from_earlier_runs"] = len(jobs) - len(pending)
+  wave = max(1, client.config.concurrency)
   first_error = ""
-  for (r, sid), result in zip(jobs, results):
-    pairs = parse_pairs(result.text, per_session) if result.ok else None
-    if pairs is None:
-      stats["failed_sessions"] += 1
-      first_error = first_error or " ".join(
-          (result.error or "an answer without JSON pairs").split())
-      continue
-    out[r]["session_qa"][sid] = pairs
-    stats["sessions"] += 1
-    stats["pairs"] += len(pairs)
+  for start in range(0, len(pending), wave):
+    if stop is not None and stop.signum is not None:
+      break
+    chunk = pending[start:start + wave]
+    results = client.chat_many([messages for _, messages in chunk])
+    for (key, _), result in zip(chunk, results):
+      stats["calls"] += 1
+      pairs = parse_pairs(result.text, per_session) if result.ok else None
+      if pairs is None:
+        stats["failed_sessions"] += 1
+        if result.ok:  # Answered, but not with JSON pairs.
+          stats["unusable_answers"] += 1
+        first_error = first_error or " ".join(
+            (result.error or "an answer without JSON pairs").split())
+        continue
+      progress.keep(key, pairs)
   if first_error:
     stats["first_error"] = first_error
-  return out, {**stats, **client.failures.as_dict()}
+  return dict(stats)
 
 
-def nothing_synthesized(stats: dict, max_tokens: int) -> str:
-  """Why a run produced no pair, in one line."""
-  if not stats.get("failed_sessions"):
-    return "the input holds no sessions"
-  reason = (f"all {stats['failed_sessions']} sessions failed (failed calls "
-            f"{stats.get('failed_calls', {})}; first: {stats['first_error']})")
-  if "http_4xx" in stats.get("failed_calls", {}):
-    reason += (f"; is --max_tokens={max_tokens} above the server's cap? "
-               "lower it")
-  return reason
+def with_pairs(records: list[dict], done: dict[tuple[int, str], list[dict]]
+               ) -> tuple[list[dict], dict]:
+  """The records with their `session_qa` (the sessions in `done`, in the
+  records' order), and the counts of sessions and pairs."""
+  out, sessions, pairs = [], 0, 0
+  for r, record in enumerate(records):
+    session_qa = {}
+    for sid in record["haystack_session_ids"]:
+      if (r, sid) in done:
+        session_qa[sid] = done[(r, sid)]
+        sessions += 1
+        pairs += len(done[(r, sid)])
+    out.append(dict(record, session_qa=session_qa))
+  return out, {"sessions": sessions, "pairs": pairs}
+
+
+def failure_reason(stats: dict, max_tokens: int) -> str:
+  """Why sessions failed, in a phrase: the failed calls by kind, the
+  answers without pairs, the first error, and a hint when the server
+  refused the answer budget."""
+  calls = stats.get("failed_calls", {})
+  parts = [f"{sum(calls.values())} calls failed {calls}" if calls else "",
+           f"{stats['unusable_answers']} answers without JSON pairs"
+           if stats.get("unusable_answers") else "",
+           f"first: {stats.get('first_error', '?')}"]
+  if "http_4xx" in calls:
+    parts.append(f"is --max_tokens={max_tokens} above the server's cap? "
+                 "lower it")
+  return "; ".join(p for p in parts if p)
+
+
+def _settings(args: argparse.Namespace, temperature: float) -> dict:
+  """What the pairs depend on (not the endpoint's address, concurrency,
+  timeouts or answer budget: a rerun against another host of the same
+  model, or with a budget the server accepts, continues)."""
+  return {"input_sha256": file_sha256(args.input), "model": args.model,
+          "per_session": args.per_session, "temperature": temperature,
+          "expert_states": os.path.abspath(args.expert_states)
+          if args.expert_states else ""}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -327,31 +449,67 @@ def main(argv: list[str] | None = None) -> dict:
       "--temperature", type=float, default=None,
       help="sampling temperature (default: 0.0 with --expert_states, as "
       "MemBuilder; 0.7 without)")
+  parser.add_argument(
+      "--max_failure_rate", type=float, default=0.0,
+      help="write the output although up to this fraction of the sessions "
+      "failed (they get no pairs); above it, exit 1 and keep the pairs "
+      "made for a rerun")
   args = parser.parse_args(argv)
   if args.max_tokens < 1:
     parser.error("--max_tokens must be >= 1")
-  with open(args.input) as f:
-    records = json.load(f)
+  if not 0.0 <= args.max_failure_rate <= 1.0:
+    parser.error("--max_failure_rate must be in [0, 1]")
   try:
+    with open(args.input) as f:
+      records = json.load(f)
     states = (load_expert_states(args.expert_states, records)
               if args.expert_states else None)
-  except ValueError as e:
+  except (OSError, ValueError) as e:
     sys.exit(f"error: {e}")
   temperature = args.temperature
   if temperature is None:
     temperature = 0.0 if states is not None else 0.7
+  output = args.output or os.path.splitext(args.input)[0] + "_qa.json"
   client = OpenAIClient(EndpointConfig(
       base_url=args.base_url, model=args.model, timeout_s=args.timeout_s,
       concurrency=args.concurrency, temperature=temperature,
       max_tokens=args.max_tokens))
-  out, stats = synthesize(records, client, args.per_session, states=states)
-  if not stats.get("pairs"):
+  jobs = session_prompts(records, args.per_session, states=states)
+  try:
+    progress = Progress(output + PROGRESS_SUFFIX,
+                        _settings(args, temperature))
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  interrupted = None
+  try:
+    with StopRequested() as stop:
+      stats = synthesize(jobs, client, args.per_session, progress, stop)
+      interrupted = stop.signum
+  except KeyboardInterrupt:  # A second Ctrl-C: the wave in flight is lost.
+    interrupted = signal.SIGINT
+    stats = {}
+  finally:
+    progress.close()
+  out, counts = with_pairs(records, progress.done)
+  stats = {**stats, **counts, "total_sessions": len(jobs),
+           **client.failures.as_dict()}
+  kept = (f"{counts['sessions']} of {len(jobs)} sessions' pairs kept in "
+          f"{progress.path}")
+  if interrupted is not None:
     print(json.dumps(stats))
-    sys.exit(f"error: no QA pairs synthesized, nothing written: "
-             f"{nothing_synthesized(stats, args.max_tokens)}")
-  output = args.output or os.path.splitext(args.input)[0] + "_qa.json"
-  with open(output, "w") as f:
-    json.dump(out, f, indent=1)
+    print(f"stopped by {signal.Signals(interrupted).name}: {kept}; rerun "
+          "the same command to continue", file=sys.stderr)
+    sys.exit(128 + interrupted)
+  missing = len(jobs) - counts["sessions"]
+  if not counts["pairs"] or missing > args.max_failure_rate * len(jobs):
+    print(json.dumps(stats))
+    what = ("no QA pairs synthesized" if not counts["pairs"] else
+            f"{missing} of {len(jobs)} sessions failed (more than "
+            f"--max_failure_rate={args.max_failure_rate:g})")
+    sys.exit(f"error: {what} at {args.base_url}, nothing written to "
+             f"{output}: {failure_reason(stats, args.max_tokens)}; {kept}: "
+             "a rerun asks only for the others")
+  write_json(output, out)
   stats["output"] = output
   print(json.dumps(stats))
   return stats

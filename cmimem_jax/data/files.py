@@ -62,14 +62,63 @@ def read_jsonl(path: str, repair: bool = True) -> list[dict[str, Any]]:
   return records
 
 
+def write_atomic(path: str, data: str | bytes) -> None:
+  """Replaces the file `path` with `data` (a str is written as UTF-8) in
+  one step: readers see the old file or the whole new one, never a part.
+
+  The data goes to a temporary file in the same directory (same file
+  system, so the rename is atomic), is fsync'ed, then renamed over `path`
+  (`os.replace`); the directory is fsync'ed so the rename survives a
+  crash. If anything fails (a full disk, say) the temporary file is
+  removed, `path` is left as it was, and the error is raised.
+  """
+  import tempfile
+  payload = data.encode("utf-8") if isinstance(data, str) else data
+  directory = os.path.dirname(os.path.abspath(path))
+  fd, staging = tempfile.mkstemp(
+      dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(payload)
+      f.flush()
+      os.fsync(f.fileno())
+    # mkstemp makes the file 0600; a result file is for others to read.
+    os.chmod(staging, 0o644)
+    os.replace(staging, path)
+  except BaseException:
+    try:
+      os.remove(staging)
+    except FileNotFoundError:
+      pass
+    raise
+  try:
+    directory_fd = os.open(directory, os.O_RDONLY)
+  except OSError:  # E.g. a platform without directory descriptors.
+    return
+  try:
+    os.fsync(directory_fd)
+  except OSError:
+    pass
+  finally:
+    os.close(directory_fd)
+
+
+def write_json(path: str, value: Any, indent: int | None = 1) -> None:
+  """`value` as JSON (plus a final newline), written with `write_atomic`."""
+  write_atomic(path, json.dumps(value, indent=indent) + "\n")
+
+
+def write_figure(figure: Any, path: str, dpi: int = 120) -> None:
+  """A matplotlib figure as a PNG at `path`, written with `write_atomic`."""
+  import io
+  buffer = io.BytesIO()
+  figure.savefig(buffer, format="png", dpi=dpi)
+  write_atomic(path, buffer.getvalue())
+
+
 def rewrite_jsonl(path: str, records: list[dict[str, Any]]) -> None:
   """Replaces a JSONL file atomically with `records`."""
-  staging = f"{path}.tmp"
-  with open(staging, "w", encoding="utf-8") as f:
-    f.writelines(json.dumps(r) + "\n" for r in records)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(staging, path)
+  write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def safe_name(identifier: str) -> str:

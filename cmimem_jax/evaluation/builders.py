@@ -21,20 +21,30 @@ from cmimem_jax.memory.retrieval import retrieve_per_type
 from cmimem_jax.memory.types import MemoryType
 
 
+class CallFailed(RuntimeError):
+  """A builder's chat call failed after its retries: the session has no
+  response at all (raised by responders made with `raise_on_failure`,
+  where a state built without it would be taken for a real one)."""
+
+
 def _failed(error: str) -> ParsedResponse:
   return ParsedResponse("", (), (LineError(None, "", error),))
 
 
 def policy_responder(chat: ChatModel, encoder: Encoder, top_k: int = 20,
-                     failures: collections.Counter | None = None
-                     ) -> Responder:
-  """One DSL response per session from `chat` (Listings 6-7)."""
+                     failures: collections.Counter | None = None,
+                     raise_on_failure: bool = False) -> Responder:
+  """One DSL response per session from `chat` (Listings 6-7). A failed
+  call is counted, then raises `CallFailed` with `raise_on_failure`, else
+  gives an invalid response (the bank is left unchanged)."""
   def respond(bank: MemoryBank, session: Session) -> ParsedResponse:
     retrieved = retrieve_per_type(bank, encoder, session.format(), top_k)
     result, = chat.chat_many([build_policy_messages(bank, session, retrieved)])
     if not result.ok:
       if failures is not None:
         failures["policy_call"] += 1
+      if raise_on_failure:
+        raise CallFailed(f"policy call failed: {result.error}")
       return _failed(f"policy call failed: {result.error}")
     return parse(result.text or "")
   return respond
@@ -42,9 +52,11 @@ def policy_responder(chat: ChatModel, encoder: Encoder, top_k: int = 20,
 
 def agents_responder(chat: ChatModel, encoder: Encoder, top_k: int = 20,
                      core_cap: int = 5000,
-                     failures: collections.Counter | None = None
-                     ) -> Responder:
-  """The four JSON agents per session, asked concurrently."""
+                     failures: collections.Counter | None = None,
+                     raise_on_failure: bool = False) -> Responder:
+  """The four JSON agents per session, asked concurrently. A failed agent
+  call is counted, then raises `CallFailed` with `raise_on_failure`, else
+  is a missing line for its type (the response is invalid)."""
   def respond(bank: MemoryBank, session: Session) -> ParsedResponse:
     retrieved = retrieve_per_type(bank, encoder, session.format(), top_k)
     types = list(MemoryType)
@@ -52,12 +64,17 @@ def agents_responder(chat: ChatModel, encoder: Encoder, top_k: int = 20,
                                   core_cap) for t in types]
     results = chat.chat_many([[{"role": "user", "content": p}]
                               for p in prompts])
-    outputs = {}
+    outputs, errors = {}, []
     for memory_type, result in zip(types, results):
       if result.ok:
         outputs[memory_type] = result.text or ""
-      elif failures is not None:
-        failures["agent_call"] += 1
+      else:
+        errors.append(f"{memory_type.value} agent call failed: "
+                      f"{result.error}")
+        if failures is not None:
+          failures["agent_call"] += 1
+    if errors and raise_on_failure:
+      raise CallFailed("; ".join(errors))
     # A failed agent is a missing line for its type: the response is
     # invalid and the bank stays as it was.
     return combine_agent_outputs(outputs)

@@ -53,6 +53,17 @@ def paper_rows(table: str) -> list[dict[str, Any]]:
   return paper_table(table)["rows"]
 
 
+def _read_json(path: str) -> Any:
+  """A JSON file's value; a malformed one raises ValueError naming the
+  file, line and column."""
+  with open(path, encoding="utf-8") as f:
+    try:
+      return json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}:{e.lineno}:{e.colno}: not JSON: {e.msg}"
+                       ) from None
+
+
 @dataclasses.dataclass(frozen=True)
 class OurResult:
   """One evaluation workdir: its `results.json` and `settings.json`."""
@@ -62,13 +73,24 @@ class OurResult:
 
   @classmethod
   def load(cls, workdir: str) -> OurResult:
-    with open(os.path.join(workdir, "results.json")) as f:
-      result = json.load(f)
+    """Reads a workdir's files.
+
+    Raises:
+      ValueError: a file is not JSON (naming it, its line and column), or
+        results.json is not an evaluation's results.
+    """
+    path = os.path.join(workdir, "results.json")
+    result = _read_json(path)
+    if not (isinstance(result, dict) and isinstance(
+        result.get("dataset"), str) and isinstance(
+            result.get("overall"), (int, float, type(None)))):
+      raise ValueError(f"{path}: not the results.json of `python -m "
+                       "cmimem_jax.evaluate` (needs 'dataset' and "
+                       "'overall')")
     settings_path = os.path.join(workdir, "settings.json")
     settings = {}
     if os.path.exists(settings_path):
-      with open(settings_path) as f:
-        settings = json.load(f)
+      settings = _read_json(settings_path)
     return cls(os.path.basename(os.path.normpath(workdir)), result, settings)
 
   def columns(self, overall_column: str, without_category_5: bool = False

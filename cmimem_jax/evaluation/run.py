@@ -16,7 +16,9 @@ results (`result_settings`) once the models are loaded (a run stopped
 before then, e.g. by a missing checkpoint, leaves the workdir free for the
 corrected command), and a rerun with other settings is refused.
 `DIR/results.json` holds overall / per-category / task-averaged scores,
-`n` and `failures` (judgements that could not be made, never scored).
+`n`, `failures` (judgements that could not be made, never scored) and
+`missing` (questions whose dialogue's memory could not be built: a failed
+builder call leaves no bank, cached or scored; a rerun builds it).
 """
 
 from __future__ import annotations
@@ -38,11 +40,13 @@ from cmimem_jax.config import (qa_chunk_budget, register_section,
 from cmimem_jax.data import (Dialogue, Question, WorkdirLock,
                              configured_split, load_configured, path_under,
                              read_jsonl)
+from cmimem_jax.data.files import write_json
 from cmimem_jax.encoders import Encoder, make_encoder
 from cmimem_jax.evaluation.answering import (JudgedAnswer, MemoryContext,
                                              QAContext, TurnRAG,
                                              answer_and_judge)
-from cmimem_jax.evaluation.builders import agents_responder, policy_responder
+from cmimem_jax.evaluation.builders import (CallFailed, agents_responder,
+                                            policy_responder)
 from cmimem_jax.evaluation.judges import LLMJudge, context_recall
 from cmimem_jax.evaluation.memoryagentbench import (
     recommendation_recall_at_5, table2_scores, table17_column)
@@ -135,9 +139,11 @@ def context_provider(dialogue: Dialogue, encoder: Encoder, config,
     bank = MemoryBank.load(directory)
   else:
     make = {"policy": policy_responder, "prompting": agents_responder}
+    # A failed builder call raises `CallFailed`: a bank missing a session
+    # is never cached, nor are questions scored on it.
     respond = make[config.method](builder, encoder,
                                   config.memory.build_top_k,
-                                  failures=failures)
+                                  failures=failures, raise_on_failure=True)
     bank, stats, _ = build_bank(dialogue, encoder, respond, config.memory,
                                 editors=editors)
     logging.info("%s: built %d entries %s", dialogue.dialogue_id, len(bank),
@@ -295,8 +301,7 @@ def record_settings(workdir: str, settings: dict[str, Any]) -> None:
   any result is written."""
   path = os.path.join(workdir, SETTINGS_FILE)
   if not os.path.exists(path):
-    with open(path, "w", encoding="utf-8") as f:
-      json.dump(settings, f, indent=1)
+    write_json(path, settings)
 
 
 def questions_per_submit(model: ChatModel | None) -> int | None:
@@ -327,6 +332,18 @@ def summarize(records: list[dict], config, failures: dict) -> dict:
     result["table2"] = table2_scores(records)
   result["call_failures"] = failures
   return result
+
+
+def failed_endpoints(config, result: dict) -> str:
+  """The endpoints whose calls failed in a run's `result` ("answer URL,
+  judge URL"), for the line that reports it."""
+  sections = {"answer": config.answer, "builder": config.builder,
+              "judge": config.judge}
+  failed = [f"{role} {section.endpoint.base_url}"
+            for role, section in sections.items()
+            if result["call_failures"].get(role, {}).get("failed_calls")
+            and section.get("endpoint") is not None]
+  return ", ".join(failed) or "no endpoint call failed"
 
 
 def evaluate(config, workdir: str) -> dict:
@@ -406,8 +423,15 @@ def evaluate(config, workdir: str) -> dict:
       questions = pending.get(dialogue.dialogue_id)
       if not questions:
         continue
-      provider = context_provider(dialogue, encoder, config, workdir, builder,
-                                  failures, editors)
+      try:
+        provider = context_provider(dialogue, encoder, config, workdir,
+                                    builder, failures, editors)
+      except CallFailed as e:
+        logging.warning("%s: no memory built, a builder call failed (%s): "
+                        "its %d questions are left for a rerun",
+                        dialogue.dialogue_id, e, len(questions))
+        failures["unbuilt_dialogues"] += 1
+        continue
       step = per_submit or len(questions)
       for first in range(0, len(questions), step):
         in_flight.extend((dialogue, *sent) for sent in submit_dialogue(
@@ -421,7 +445,8 @@ def evaluate(config, workdir: str) -> dict:
            (("answer", answerer), ("builder", builder),
             ("judge", judge and judge.client)) if hasattr(model, "failures")}
   result = summarize(records, config, {"build": dict(failures), **calls})
+  # Questions without a record: their dialogue's memory could not be built.
+  result["missing"] = len(wanted) - len(records)
   result["seconds"] = round(time.perf_counter() - start, 2)
-  with open(os.path.join(workdir, "results.json"), "w") as f:
-    json.dump(result, f, indent=1)
+  write_json(os.path.join(workdir, "results.json"), result)
   return result

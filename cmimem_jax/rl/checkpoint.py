@@ -8,13 +8,27 @@ step divisible by `keep_period` for checkpoint selection (App. I picks
 steps 20 and 50). Restore places
 every array onto the mesh with the shardings it is given. If the newest
 checkpoint cannot be read it is reported and the previous one is used.
+
+A save that fails (a full disk, above all) raises `CheckpointNotSaved`
+from `save` or `wait`, whichever joins it: one message naming the
+checkpoint and, for a full disk, the bytes a checkpoint holds and what
+is free; its temporary directory (`N.orbax-checkpoint-tmp*`) is removed, and
+orbax's own reports of the same out-of-space error (a traceback from each
+of its threads) are not logged. `metrics_follow_checkpoints` then cuts a
+run's metrics back to the last saved step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import glob
 import logging
 import os
+import shutil
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -23,6 +37,7 @@ from absl import logging as absl_logging
 from flax import nnx
 
 from cmimem_jax.models.host_memory import release_free_heap
+from cmimem_jax.rl.metrics import MetricsWriter
 
 
 # Orbax's own default is 96 GB: in effect every array of a save at once.
@@ -54,6 +69,85 @@ class _ReadOnlyNotice(logging.Filter):
 
 
 absl_logging.get_absl_logger().addFilter(_ReadOnlyNotice())
+
+
+class CheckpointNotSaved(OSError):
+  """A checkpoint save failed; the message says which, where and why."""
+
+
+_NO_SPACE = ("No space left on device", "os_error_code='28'",
+             "Disk quota exceeded")
+
+
+def out_of_space(error: BaseException | None) -> bool:
+  """Whether `error` (or an exception it was raised from) is a full disk:
+  `OSError(ENOSPC / EDQUOT)`, or tensorstore's RESOURCE_EXHAUSTED error
+  with the OS error code 28 that orbax raises as a `ValueError`."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC,
+                                                       errno.EDQUOT):
+      return True
+    if any(text in str(error) for text in _NO_SPACE):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+class _OutOfSpaceReports(logging.Filter):
+  """Drops orbax's log records of an out-of-space error (each of its save
+  threads logs the same traceback): `Checkpointer.save` / `wait` raise it
+  once, as `CheckpointNotSaved`."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if f"{os.sep}orbax{os.sep}" not in record.pathname:
+      return True
+    error = record.exc_info[1] if record.exc_info else None
+    return not (out_of_space(error) or any(
+        text in record.getMessage() for text in _NO_SPACE))
+
+
+absl_logging.get_absl_logger().addFilter(_OutOfSpaceReports())
+
+
+def _closed_loop_callback(unraisable: Any) -> bool:
+  """A tensorstore write finishing after orbax closed the event loop that
+  awaited it: what a failed save's remaining writes do, one traceback
+  each (28 for one tiny checkpoint on a full disk), harmless."""
+  frames = []
+  trace = unraisable.exc_traceback
+  while trace is not None:
+    frames.append(trace.tb_frame.f_code.co_name)
+    trace = trace.tb_next
+  return (unraisable.exc_type is RuntimeError
+          and str(unraisable.exc_value) == "Event loop is closed"
+          and "call_soon_threadsafe" in frames)
+
+
+def _install_unraisable_filter() -> None:
+  previous = sys.unraisablehook
+
+  def hook(unraisable: Any) -> None:
+    if not _closed_loop_callback(unraisable):
+      previous(unraisable)
+  sys.unraisablehook = hook
+
+
+_install_unraisable_filter()
+
+
+def _tree_bytes(tree: Any) -> int:
+  return sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree))
+
+
+def _size(size: float) -> str:
+  """`size` bytes for a person: "12.3 MiB"."""
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if size < 1024 or unit == "GiB":
+      return f"{size:.1f} {unit}" if unit != "B" else f"{size:.0f} B"
+    size /= 1024
+  raise AssertionError("unreachable")
 
 
 @dataclasses.dataclass
@@ -94,8 +188,12 @@ class Checkpointer:
             keep_period=keep_period or None,
             save_interval_steps=0 if read_only else 1,
             create=not read_only, read_only=read_only,
+            # A save killed mid-write leaves its temporary directory.
+            cleanup_tmp_directories=not read_only,
             enable_async_checkpointing=async_save),
         handler_registry=_handlers(save_concurrent_gb))
+    # (step, bytes) of the save being written in the background.
+    self._pending: tuple[int, int] | None = None
 
   @classmethod
   def for_workdir(cls, workdir: str, section: Any) -> Checkpointer:
@@ -111,19 +209,60 @@ class Checkpointer:
 
   def save(self, step: int, params: Any, opt_state: Any, rng: jax.Array,
            loop_state: dict[str, Any]) -> None:
+    """Starts saving checkpoint `step` (written in the background).
+
+    Raises:
+      CheckpointNotSaved: this save, or the previous one it joins first,
+        failed.
+    """
     state = {"params": params, "opt_state": opt_state,
              "rng": jax.random.key_data(rng)}
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        loop=ocp.args.JsonSave(loop_state)))
+    self._join()  # A failure of the previous save is reported as its own.
+    self._pending = (step, _tree_bytes(state))
+    with self._reporting_failure():
+      self.manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          loop=ocp.args.JsonSave(loop_state)))
 
   def wait(self) -> None:
     """Blocks until every save is written, then hands the heap pages the
     save's host copies left behind back to the OS (tensorstore writes them
     in small blocks: 0.7 GiB stayed resident after saving SmolLM2-135M's
-    parameters and AdamW state)."""
-    self.manager.wait_until_finished()
+    parameters and AdamW state).
+
+    Raises:
+      CheckpointNotSaved: the save in progress failed.
+    """
+    self._join()
     release_free_heap()
+
+  def _join(self) -> None:
+    with self._reporting_failure():
+      self.manager.wait_until_finished()
+    self._pending = None
+
+  @contextlib.contextmanager
+  def _reporting_failure(self) -> Iterator[None]:
+    """Turns a failure of the save in progress into `CheckpointNotSaved`,
+    after removing its temporary directory."""
+    try:
+      yield
+    except Exception as error:  # noqa: BLE001 - any failed write.
+      step, size = self._pending or ("?", 0)
+      self._pending = None
+      for staging in glob.glob(os.path.join(
+          self.directory, f"{step}.orbax-checkpoint-tmp*")):
+        shutil.rmtree(staging, ignore_errors=True)
+      where = os.path.join(self.directory, str(step))
+      if out_of_space(error):
+        free = shutil.disk_usage(self.directory).free
+        cause = (f"no space left on the device (a checkpoint holds "
+                 f"{_size(size)} of arrays, before compression; "
+                 f"{_size(free)} free with its partial files removed)")
+      else:
+        cause = f"{type(error).__name__}: {' '.join(str(error).split())}"
+      raise CheckpointNotSaved(f"checkpoint {where} not saved: {cause}"
+                               ) from error
 
   def restore(self, params: Any, opt_state: Any, rng: jax.Array
               ) -> Restored | None:
@@ -189,6 +328,25 @@ class Checkpointer:
 
   def close(self) -> None:
     self.manager.close()
+
+
+@contextlib.contextmanager
+def metrics_follow_checkpoints(checkpointer: Checkpointer,
+                               writer: MetricsWriter) -> Iterator[None]:
+  """Nothing logged that was not saved: when a save fails inside, the
+  writer's files are cut back to the last saved step (which a rerun
+  resumes from) and the error says so."""
+  try:
+    yield
+  except CheckpointNotSaved as error:
+    saved = checkpointer.steps()
+    last = saved[-1] if saved else 0
+    writer.truncate_after(last)
+    resume = (f"rerun to resume from step {last}" if saved
+              else "rerun to start again")
+    raise CheckpointNotSaved(
+        f"{error}; {writer.path} ends at step {last}, the last saved "
+        f"checkpoint: free space, then {resume}") from error.__cause__
 
 
 def load_model_weights(model: nnx.Module, workdir: str, step: int = 0) -> int:

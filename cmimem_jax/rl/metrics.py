@@ -110,6 +110,30 @@ class MetricsWriter:
       self._rollouts.write(json.dumps({"step": step, **record}) + "\n")
     self._rollouts.flush()
 
+  def truncate_after(self, step: int) -> None:
+    """Closes the JSONL files and cuts the records of steps after `step`
+    from them, in place (a full disk has no room for a rewritten copy): a
+    failed checkpoint save leaves them ending at the last saved step."""
+    for file in (self._file, self._rollouts):
+      if file is None or file.closed:
+        continue
+      try:
+        # Closed first: a buffered tail the full disk refused now is never
+        # written after the cut.
+        file.close()
+      except OSError:
+        pass
+      offset = 0
+      with open(file.name, "rb") as f:
+        for line in f:
+          try:
+            if json.loads(line).get("step", 0) > step:
+              break
+          except ValueError:  # A torn last line: cut with the rest.
+            break
+          offset += len(line)
+      os.truncate(file.name, offset)
+
   def close(self) -> None:
     self._file.close()
     if self._rollouts is not None:

@@ -27,9 +27,9 @@ import dataclasses
 import functools
 import hashlib
 import importlib.metadata
+import io
 import json
 import os
-import tempfile
 import zipfile
 from typing import Any
 
@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cmimem_jax.caches import cache_dir
+from cmimem_jax.data.files import write_atomic
 from cmimem_jax.models.host_memory import release_free_heap
 
 _NEVER = np.iinfo(np.int16).max
@@ -244,22 +245,16 @@ def _load_tables(cls: type[TokenConstraint], path: str
 
 def _save_tables(constraint: TokenConstraint, path: str) -> None:
   """Writes the tables to `path` atomically (a reader sees all or none)."""
-  staging = ""
+  buffer = io.BytesIO()
+  np.savez(buffer, next_state=constraint.next_state,
+           min_budget=constraint.min_budget,
+           initial_state=constraint.initial_state, eos_id=constraint.eos_id)
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, staging = tempfile.mkstemp(dir=os.path.dirname(path),
-                                   prefix=".tmp-", suffix=".npz")
-    with os.fdopen(fd, "wb") as f:
-      np.savez(f, next_state=constraint.next_state,
-               min_budget=constraint.min_budget,
-               initial_state=constraint.initial_state,
-               eos_id=constraint.eos_id)
-    os.replace(staging, path)
+    write_atomic(path, buffer.getvalue())
   except OSError as error:  # A read-only cache directory.
     from absl import logging
     logging.warning("constraint not cached in %s: %s", path, error)
-    if staging and os.path.exists(staging):
-      os.remove(staging)
 
 
 def _min_budgets(next_state: np.ndarray, final: set[int], eos: int

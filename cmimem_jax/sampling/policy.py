@@ -155,16 +155,19 @@ class ChatPolicy:
           buckets: Sequence[int] = DEFAULT_BUCKETS, mesh: Mesh | None = None,
           constraint: TokenConstraint | None = None,
           max_rows_per_wave: int = 0, share_prompts: bool = True,
+          row_stop_shape: tuple[int, int] | None = None,
           **kwargs: Any) -> ChatPolicy:
     """A policy generating with the JAX `Sampler` over `model` (every
     completion a match of `constraint`, if given; at most
     `max_rows_per_wave` rows decoded at once, 0 = all; `share_prompts`:
-    identical consecutive prompts share one prefill, see `Sampler`)."""
+    identical consecutive prompts share one prefill; `row_stop_shape`:
+    each row's own stop sequences, see `Sampler`)."""
     eos_ids, pad_id = special_ids(tokenizer)
     sampler = Sampler(model, SamplingConfig(eos_ids=eos_ids, pad_id=pad_id),
                       buckets=buckets, mesh=mesh, constraint=constraint,
                       max_rows_per_wave=max_rows_per_wave,
-                      share_prompts=share_prompts)
+                      share_prompts=share_prompts,
+                      row_stop_shape=row_stop_shape)
     return cls(sampler, tokenizer, max_prompt_tokens, **kwargs)
 
   def set_model(self, model: Qwen3) -> None:
@@ -204,10 +207,23 @@ class ChatPolicy:
                temperature: float | Sequence[float],
                top_p: float | Sequence[float], max_new_tokens: int,
                row_budgets: Sequence[int] | None = None,
-               constrained: bool = True) -> SampleOutput:
-    """`GenerationEngine.generate` on this policy's engine."""
+               constrained: bool = True,
+               row_stops: Sequence[Sequence[Sequence[int]]] | None = None
+               ) -> SampleOutput:
+    """`GenerationEngine.generate` on this policy's engine; `row_stops`
+    (each row's stop token sequences) for a JAX sampler made with
+    `row_stop_shape`."""
+    if row_stops is None:
+      return self.engine.generate(prompts, key, temperature, top_p,
+                                  max_new_tokens, row_budgets, constrained)
     return self.engine.generate(prompts, key, temperature, top_p,
-                                max_new_tokens, row_budgets, constrained)
+                                max_new_tokens, row_budgets, constrained,
+                                row_stops=row_stops)
+
+  def stop_tokens(self, text: str) -> list[int]:
+    """The token ids a stop string is written with on its own (a model
+    writing it otherwise is cut by the text, not the sampler)."""
+    return list(self.tokenizer.encode(text, add_special_tokens=False))
 
   def respond(self, conversations: Sequence[Messages], max_new_tokens: int
               ) -> list[str]:

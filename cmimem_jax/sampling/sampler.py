@@ -259,22 +259,45 @@ def shared_prompt_group(prompts: Sequence[Sequence[int]]) -> int:
   return group
 
 
+# In a stop table: padding that matches any token, and a slot that never
+# matches (no token id, nor the -2 that pads the output on the left).
+STOP_ANY, STOP_NEVER = -1, -3
+
+
+def stop_table(sequences: Sequence[Sequence[int]], slots: int | None = None,
+               width: int | None = None) -> np.ndarray:
+  """`[S, L]` int32: the token sequences right-aligned, padded with
+  `STOP_ANY`; with `slots` / `width` a fixed shape, unused slots never
+  matching (sequences longer than `width` are left out)."""
+  sequences = [list(s) for s in sequences if s and (
+      width is None or len(s) <= width)]
+  width = max((len(s) for s in sequences), default=0) if width is None \
+      else width
+  slots = len(sequences) if slots is None else slots
+  table = np.full((slots, width), STOP_ANY, np.int32)
+  table[len(sequences):, -1:] = STOP_NEVER
+  for i, seq in enumerate(sequences[:slots]):
+    table[i, width - len(seq):] = seq
+  return table
+
+
 def _ends_with_stop(tokens: jax.Array, step: jax.Array,
                     stop_table: jax.Array) -> jax.Array:
   """Whether each row's output ends with any stop sequence at `step`.
 
-  `stop_table` `[S, L]` holds stop token sequences right-aligned, padded
-  with -1 (matches anything).
+  `stop_table` `[S, L]` (every row's) or `[B, S, L]` (each row its own)
+  holds stop token sequences right-aligned, padded with `STOP_ANY`.
   """
-  if stop_table.shape[0] == 0:
+  if stop_table.shape[-2] == 0:
     return jnp.zeros(tokens.shape[0], bool)
-  length = stop_table.shape[1]
+  length = stop_table.shape[-1]
   # Left-pad with a value no stop token has, so early steps never match;
   # padded[:, step + 1 : step + 1 + length] == tokens[:, step - length + 1 :
   # step + 1].
   padded = jnp.pad(tokens, [(0, 0), (length, 0)], constant_values=-2)
   window = jax.lax.dynamic_slice_in_dim(padded, step + 1, length, axis=1)
-  match = (stop_table[None] == window[:, None]) | (stop_table[None] < 0)
+  table = stop_table if stop_table.ndim == 3 else stop_table[None]
+  match = (table == window[:, None]) | (table == STOP_ANY)
   return jnp.any(jnp.all(match, axis=-1), axis=-1)
 
 
@@ -287,7 +310,8 @@ class Sampler:
                mesh: Mesh | None = None,
                constraint: TokenConstraint | None = None,
                max_cached_shapes: int = 4, share_prompts: bool = True,
-               max_rows_per_wave: int = 0):
+               max_rows_per_wave: int = 0,
+               row_stop_shape: tuple[int, int] | None = None):
     """`mesh`: where the model's (sharded) parameters live; prompts, keys
     and the KV cache are then placed on it too. `constraint`: every
     completion is a match of its regex, then EOS (which must be the first
@@ -298,7 +322,10 @@ class Sampler:
     `max_rows_per_wave`: decode at most this many rows at once (rounded
     down to whole groups; 0 = all), bounding the KV cache in memory
     (`tools/plan.py` gives the rows per chip that fit); each wave samples
-    with its own key."""
+    with its own key. `row_stop_shape` (slots, tokens): every call takes
+    each row's own stop sequences (`generate(row_stops=...)`) in a table
+    of that shape (a server: OpenAI's `stop`, up to 4 per request);
+    None: the `stop_sequences` of every row."""
     if max_rows_per_wave < 0:
       raise ValueError("max_rows_per_wave must be >= 0")
     # Where the weights are moved to (None: they stay where they are).
@@ -327,11 +354,10 @@ class Sampler:
                           else lambda: jax.set_mesh(mesh))
     self.config = config
     self.buckets = tuple(buckets)
-    width = max((len(s) for s in stop_sequences), default=0)
-    table = np.full((len(stop_sequences), width), -1, np.int32)
-    for i, seq in enumerate(stop_sequences):
-      table[i, width - len(seq):] = seq
-    self.stop_table = self._place(jnp.asarray(table))
+    self.stop_table = self._place(jnp.asarray(stop_table(stop_sequences)))
+    # (slots, tokens) of the per-row stop tables (`row_stops`): one shape
+    # for every call, so a server's warm-up compiles what requests run.
+    self.row_stop_shape = row_stop_shape
     self.constraint = constraint
     self._constraint_arrays = None
     if constraint is not None:
@@ -398,15 +424,19 @@ class Sampler:
                temperature: float | Sequence[float],
                top_p: float | Sequence[float], max_new_tokens: int,
                row_budgets: Sequence[int] | None = None,
-               constrained: bool = True) -> SampleOutput:
+               constrained: bool = True,
+               row_stops: Sequence[Sequence[Sequence[int]]] | None = None
+               ) -> SampleOutput:
     """`GenerationEngine.generate`: this sampler's EOS / pad ids with the
     given sampling parameters, one value for every row or one per row.
     `row_budgets`: each row stops after its own number of tokens (at most
     `max_new_tokens`, which alone shapes the compiled program).
-    `constrained=False`: ignore the sampler's `TokenConstraint`."""
+    `constrained=False`: ignore the sampler's `TokenConstraint`.
+    `row_stops`: each row's stop token sequences (a sampler made with
+    `row_stop_shape`; sequences longer than its tokens are left out)."""
     return self._sample(prompts, key, temperature, top_p, dataclasses.replace(
         self.config, max_new_tokens=max_new_tokens), row_budgets,
-                        constrained)
+                        constrained, row_stops)
 
   def __call__(self, prompts: Sequence[Sequence[int]], key: jax.Array,
                config: SamplingConfig | None = None) -> SampleOutput:
@@ -418,7 +448,9 @@ class Sampler:
               temperature: float | Sequence[float],
               top_p: float | Sequence[float], config: SamplingConfig,
               row_budgets: Sequence[int] | None = None,
-              constrained: bool = True) -> SampleOutput:
+              constrained: bool = True,
+              row_stops: Sequence[Sequence[Sequence[int]]] | None = None
+              ) -> SampleOutput:
     if self.model is None:
       raise RuntimeError("the sampler's weights were released "
                          "(release_weights): set_model first")
@@ -451,15 +483,33 @@ class Sampler:
     if self.max_rows_per_wave:
       wave = max(group, self.max_rows_per_wave // group * group)
     keys = [key] if wave >= rows else jax.random.split(key, -(-rows // wave))
+    stops = self._row_stop_tables(rows, row_stops)
     outs = [self._wave(prompts[start:start + wave], keys[i],
                        temperature[start:start + wave],
                        top_p[start:start + wave], budgets[start:start + wave],
-                       config, length, group, constraint)
+                       config, length, group, constraint,
+                       None if stops is None else stops[start:start + wave])
             for i, start in enumerate(range(0, rows, wave))]
     if len(outs) == 1:
       return outs[0]
     return SampleOutput(*(np.concatenate([getattr(o, f.name) for o in outs])
                           for f in dataclasses.fields(SampleOutput)))
+
+  def _row_stop_tables(self, rows: int,
+                       row_stops: Sequence[Sequence[Sequence[int]]] | None
+                       ) -> np.ndarray | None:
+    """`[rows, slots, tokens]` per-row stop tables (`row_stop_shape`), or
+    None: every row's `stop_sequences`."""
+    if self.row_stop_shape is None:
+      if row_stops is not None:
+        raise ValueError("per-row stop sequences need a sampler made with "
+                         "row_stop_shape")
+      return None
+    row_stops = row_stops if row_stops is not None else [()] * rows
+    if len(row_stops) != rows:
+      raise ValueError(f"{len(row_stops)} rows of stop sequences for {rows} "
+                       "prompts")
+    return np.stack([stop_table(s, *self.row_stop_shape) for s in row_stops])
 
   def compile(self, rows: int, length: int, max_new_tokens: int,
               constrained: bool = True) -> None:
@@ -485,14 +535,16 @@ class Sampler:
     with self._mesh_context():
       _generate.lower(*self._arguments(
           tokens, tokens, caches, key, per_row, per_row,
-          per_row.astype(np.int32), constraint),
+          per_row.astype(np.int32), constraint,
+          self._row_stop_tables(rows, None)),
                       **self._static_arguments(config)).compile()
 
   def _arguments(self, tokens: np.ndarray, mask: np.ndarray,
                  caches: tuple[KVCache, KVCache], key: jax.Array,
                  temperature: np.ndarray, top_p: np.ndarray,
                  budgets: np.ndarray,
-                 constraint: tuple[jax.Array, ...] | None) -> tuple:
+                 constraint: tuple[jax.Array, ...] | None,
+                 row_stops: np.ndarray | None = None) -> tuple:
     """`_generate`'s positional arguments, placed as `_wave` runs them
     (`compile` lowers the same, so both select one program)."""
     place = lambda x: self._place(jnp.asarray(x))  # noqa: E731
@@ -500,7 +552,8 @@ class Sampler:
       key = self._place(key)
     return (self.model, place(tokens), place(mask), *caches, key,
             place(temperature), place(top_p), place(budgets),
-            self.stop_table, constraint)
+            self.stop_table if row_stops is None else place(row_stops),
+            constraint)
 
   def _static_arguments(self, config: SamplingConfig) -> dict:
     return {"max_new_tokens": config.max_new_tokens,
@@ -510,7 +563,8 @@ class Sampler:
   def _wave(self, prompts: Sequence[Sequence[int]], key: jax.Array,
             temperature: np.ndarray, top_p: np.ndarray, budgets: np.ndarray,
             config: SamplingConfig, length: int, group: int,
-            constraint: tuple[jax.Array, ...] | None) -> SampleOutput:
+            constraint: tuple[jax.Array, ...] | None,
+            row_stops: np.ndarray | None = None) -> SampleOutput:
     """One compiled generation over `prompts` (groups of `group` identical
     prompts), left-padded to `length`, under `constraint`'s tables (None:
     free)."""
@@ -526,7 +580,7 @@ class Sampler:
     with self._mesh_context():
       out_tokens, out_logprobs, lengths, *caches = _generate(
           *self._arguments(tokens, mask, caches, key, temperature, top_p,
-                           budgets, constraint),
+                           budgets, constraint, row_stops),
           **self._static_arguments(config))
     if shape not in self._compiled_shapes:
       # The first call of a shape compiled it: XLA / LLVM's freed small

@@ -10,8 +10,10 @@ reading), a body not received within `body_timeout_s` 408, more than
 `max_embedding_inputs` embedding inputs 413 (longer inputs than
 `max_embedding_chars` 400), JSON nested too deeply 400, a missing or wrong
 key 401 (compared in constant time), another model's name 404
-`model_not_found`, any request before the programs are compiled 503, a
-chat request the server stops before answering 503.
+`model_not_found`, a `stop` other than a string or a list of up to 4
+strings 400, any request before the programs are compiled 503, a chat
+request the server stops before answering 503. A client that disconnects
+before its body arrives is one INFO line (nobody to answer).
 Responses to requests whose body may be left unread close the connection.
 """
 
@@ -31,12 +33,18 @@ from typing import Any
 from absl import logging
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from cmimem_jax.encoders import Encoder
-from cmimem_jax.serving.batcher import ChatBatcher, Completion, ShuttingDown
+from cmimem_jax.serving.batcher import (MAX_STOPS, ChatBatcher, Completion,
+                                        ShuttingDown)
+
+
+class ClientGone(Exception):
+  """The client disconnected before its request body arrived: there is no
+  one to answer (logged at INFO, one line)."""
 
 
 class RequestError(ValueError):
@@ -71,6 +79,7 @@ class ChatRequest:
   top_p: float
   max_tokens: int
   stream: bool
+  stop: tuple[str, ...] = ()
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float
@@ -82,6 +91,20 @@ def _number(body: dict, name: str, default: float, low: float, high: float
       low <= value <= high):
     raise RequestError(f"'{name}' must be a number in [{low}, {high}]")
   return float(value)
+
+
+def _stop_strings(body: dict) -> tuple[str, ...]:
+  """OpenAI's `stop`: absent / null, a string, or a list of up to
+  `MAX_STOPS` strings; anything else is a 400."""
+  stop = body.get("stop")
+  if stop is None:
+    return ()
+  stops = [stop] if isinstance(stop, str) else stop
+  if not (isinstance(stops, list) and len(stops) <= MAX_STOPS and all(
+      isinstance(s, str) and s for s in stops)):
+    raise RequestError(f"'stop' must be a non-empty string or a list of up "
+                       f"to {MAX_STOPS} non-empty strings")
+  return tuple(stops)
 
 
 def parse_chat_request(body: Any, max_tokens_limit: int) -> ChatRequest:
@@ -107,7 +130,7 @@ def parse_chat_request(body: Any, max_tokens_limit: int) -> ChatRequest:
       _number(body, "top_p", 1.0, 1e-6, 1.0),
       int(_number(body, "max_tokens", min(256, max_tokens_limit), 1,
                   max_tokens_limit)),
-      bool(body.get("stream", False)))
+      bool(body.get("stream", False)), _stop_strings(body))
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None,
@@ -154,12 +177,15 @@ async def read_json(request: Request, limits: Limits) -> Any:
 
   async def receive() -> None:
     nonlocal size
-    async for chunk in request.stream():
-      size += len(chunk)
-      if size > limits.max_request_bytes:
-        raise RequestError(f"body exceeds the limit of "
-                           f"{limits.max_request_bytes} bytes", 413)
-      chunks.append(chunk)
+    try:
+      async for chunk in request.stream():
+        size += len(chunk)
+        if size > limits.max_request_bytes:
+          raise RequestError(f"body exceeds the limit of "
+                             f"{limits.max_request_bytes} bytes", 413)
+        chunks.append(chunk)
+    except ClientDisconnect:
+      raise ClientGone(f"after {size} bytes of its body") from None
 
   try:
     await asyncio.wait_for(receive(), limits.body_timeout_s)
@@ -219,6 +245,13 @@ def make_app(batcher: ChatBatcher | None, encoder: Encoder | None,
         return _error(401, "missing or wrong API key")
       try:
         return await handler(request)
+      except ClientGone as e:
+        client = request.client
+        logging.info("client %s:%s disconnected %s (%s %s)",
+                     client.host if client else "?",
+                     client.port if client else "?", e, request.method,
+                     request.url.path)
+        return Response(status_code=400)  # Unsent: nobody is listening.
       except ModelNotFound as e:
         return _error(e.status, str(e), code="model_not_found")
       except RequestError as e:
@@ -252,8 +285,12 @@ def make_app(batcher: ChatBatcher | None, encoder: Encoder | None,
     try:
       prompt = await in_thread(tokenize_pool, batcher.policy.encode,
                                parsed.messages)
+      stop_tokens = [await in_thread(tokenize_pool,
+                                     batcher.policy.stop_tokens, s)
+                     for s in parsed.stop]
       completion: Completion = await asyncio.wrap_future(batcher.submit(
-          prompt, parsed.temperature, parsed.top_p, parsed.max_tokens))
+          prompt, parsed.temperature, parsed.top_p, parsed.max_tokens,
+          parsed.stop, stop_tokens))
     finally:
       in_flight -= 1
     header = {"id": f"chatcmpl-{time.monotonic_ns()}",

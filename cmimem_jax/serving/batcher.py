@@ -8,6 +8,14 @@ two, and the prompt bucket: the token cap is always the server's
 compiles at most `log2(max_batch) + 1` programs per prompt bucket, all of
 which `warm_up` builds before the first request (compiling, or loading from
 JAX's persistent compilation cache, without generating).
+
+Stop strings (OpenAI's `stop`, up to `MAX_STOPS` per request) end a reply
+where one first occurs, excluded from it, finish reason "stop". The text
+decides: a stop string is found in the decoded reply whatever tokens the
+model wrote it with. Decoding also ends early, in the sampler, when the
+model writes a stop string with the tokens it has on its own (up to
+`STOP_TOKENS` of them; each row its own, traced, so the compiled programs
+stay those of the warm-up).
 """
 
 from __future__ import annotations
@@ -24,6 +32,17 @@ from absl import logging
 
 from cmimem_jax.sampling import ChatPolicy
 from cmimem_jax.sampling.sampler import bucket_length
+
+# OpenAI's limit of stop strings per request, and the longest one (in
+# tokens) the sampler stops at by itself (longer ones: the text is cut).
+MAX_STOPS, STOP_TOKENS = 4, 16
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+  """`text` up to the first occurrence of any of `stops` (excluded), and
+  whether one occurred."""
+  found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+  return (text[:min(found)], True) if found else (text, False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +62,8 @@ class _Request:
   top_p: float
   max_tokens: int
   future: concurrent.futures.Future
+  stop: tuple[str, ...] = ()
+  stop_tokens: tuple[tuple[int, ...], ...] = ()
 
 
 class ShuttingDown(RuntimeError):
@@ -85,13 +106,17 @@ class ChatBatcher:
     self._thread.start()
 
   def submit(self, prompt: list[int], temperature: float, top_p: float,
-             max_tokens: int) -> concurrent.futures.Future:
-    """Queues an encoded prompt; the future resolves to a `Completion`."""
+             max_tokens: int, stop: Sequence[str] = (),
+             stop_tokens: Sequence[Sequence[int]] = ()
+             ) -> concurrent.futures.Future:
+    """Queues an encoded prompt with its stop strings (and their tokens,
+    `ChatPolicy.stop_tokens`); the future resolves to a `Completion`."""
     future: concurrent.futures.Future = concurrent.futures.Future()
     if self._closing:
       future.set_exception(ShuttingDown())
       return future
-    self._queue.put(_Request(prompt, temperature, top_p, max_tokens, future))
+    self._queue.put(_Request(prompt, temperature, top_p, max_tokens, future,
+                             tuple(stop), tuple(map(tuple, stop_tokens))))
     return future
 
   def warm_up_programs(self, prompt_tokens: Sequence[int] = (1,)
@@ -159,16 +184,22 @@ class ChatBatcher:
     self._key, key = jax.random.split(self._key)
     return key
 
-  def _generate(self, prompts: Sequence[list[int]],
-                temperatures: Sequence[float], top_ps: Sequence[float],
-                budgets: Sequence[int]):
+  def _generate(self, batch: Sequence[_Request]):
     # Pad to a compiled batch size with one-token greedy copies of the
     # first row (they cost one step and are dropped).
-    pad = padded_batch_size(len(prompts)) - len(prompts)
+    pad = padded_batch_size(len(batch)) - len(batch)
+    prompts = [r.prompt for r in batch]
+    # An engine without per-row stop tables decodes to each budget; the
+    # text is cut all the same.
+    row_stops = ([r.stop_tokens for r in batch] + [()] * pad
+                 if getattr(self.policy.engine, "row_stop_shape", None)
+                 else None)
     return self.policy.generate(
-        list(prompts) + [prompts[0]] * pad, self._next_key(),
-        list(temperatures) + [0.0] * pad, list(top_ps) + [1.0] * pad,
-        self.max_new_tokens, list(budgets) + [1] * pad)
+        prompts + [prompts[0]] * pad, self._next_key(),
+        [r.temperature for r in batch] + [0.0] * pad,
+        [r.top_p for r in batch] + [1.0] * pad, self.max_new_tokens,
+        [r.max_tokens for r in batch] + [1] * pad,
+        row_stops=row_stops)
 
   def _run(self, batch: list[_Request]) -> None:
     if self._closing:  # Closed while this batch was collected.
@@ -176,19 +207,18 @@ class ChatBatcher:
         _settle(request.future, error=ShuttingDown())
       return
     try:
-      out = self._generate([r.prompt for r in batch],
-                           [r.temperature for r in batch],
-                           [r.top_p for r in batch],
-                           [r.max_tokens for r in batch])
+      out = self._generate(batch)
       self.batches.append(len(batch))
       for row, request in enumerate(batch):
         generated = out.tokens[row, :out.lengths[row]].tolist()
-        stopped = bool(generated) and generated[-1] in self.policy.eos_ids
+        text, cut = cut_at_stop(self.policy.decode(
+            self.policy.completion_tokens(out, row)), request.stop)
+        stopped = cut or (bool(generated)
+                          and generated[-1] in self.policy.eos_ids)
         finish = "stop" if stopped or len(generated) < request.max_tokens \
             else "length"
         _settle(request.future, Completion(
-            self.policy.decode(self.policy.completion_tokens(out, row)),
-            len(request.prompt), len(generated), finish))
+            text, len(request.prompt), len(generated), finish))
     except Exception as e:  # noqa: BLE001 - reported to every caller.
       logging.exception("generation failed")
       for request in batch:

@@ -35,7 +35,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from cmimem_jax.encoders import make_encoder
 from cmimem_jax.sampling import ChatPolicy, load_policy_and_tokenizer
 from cmimem_jax.serving.app import Limits, make_app
-from cmimem_jax.serving.batcher import ChatBatcher, Progress
+from cmimem_jax.serving.batcher import (MAX_STOPS, STOP_TOKENS, ChatBatcher,
+                                        Progress)
 
 # Seconds a request failed at the end of the drain has to send its 503.
 _ANSWER_S = 2.0
@@ -135,7 +136,8 @@ class Server:
       # programs depend on the batch size alone (warm-up included).
       policy = ChatPolicy.jax(model, tokenizer, serve.max_prompt_tokens,
                               tuple(serve.buckets), share_prompts=False,
-                              prompt_limit_name="serve.max_prompt_tokens")
+                              prompt_limit_name="serve.max_prompt_tokens",
+                              row_stop_shape=(MAX_STOPS, STOP_TOKENS))
       self.batcher = ChatBatcher(policy, serve.max_new_tokens,
                                  serve.max_batch,
                                  serve.batch_wait_ms / 1000.0, config.seed)

@@ -38,9 +38,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cmimem_jax.cmi.logprob import PolicyProfileLM
 from cmimem_jax.cmi.reward import RewardComputer, RewardConfig
-from cmimem_jax.config import (Interrupted, finite_number, register_section,
-                               validate_config, write_config)
+from cmimem_jax.config import (CONFIG_FILE, Interrupted, check_failures,
+                               config_json, finite_number, register_section,
+                               validate_config)
 from cmimem_jax.data import Dialogue, WorkdirLock, load_configured
+from cmimem_jax.data.files import write_atomic
 from cmimem_jax.encoders import encoder_identity, make_encoder
 from cmimem_jax.memory.builder import EDIT_COUNTERS
 from cmimem_jax.memory.compression import memory_editors
@@ -57,6 +59,7 @@ from cmimem_jax.rl import (Checkpointer, GRPOLossConfig, Learner,
                            group_advantages, load_model_weights, read_metrics,
                            recompute_logprobs,
                            rollout_batch)
+from cmimem_jax.rl.checkpoint import metrics_follow_checkpoints
 from cmimem_jax.sampling import (ChatPolicy, Sampler, TokenConstraint,
                                  load_policy_and_tokenizer, special_ids)
 from cmimem_jax.sampling.vllm_engine import (VLLMEngine, checkpoint_dir,
@@ -120,6 +123,8 @@ def _check_training(c) -> None:
           "(tools/build_expert_states.py)")
   c.check("qa.judge", lambda v: v in ("context_recall", "llm"),
           "context_recall or llm")
+  c.check("qa.max_failure_rate", lambda v: finite_number(v, 0.0, 1.0),
+          "in [0, 1]")
   c.check("policy.attention_impl", lambda v: v in ATTENTION_IMPLS,
           f"one of {ATTENTION_IMPLS}")
   c.check("policy.source", lambda v: v in ("random", "gguf", "hf"),
@@ -258,15 +263,18 @@ class Trainer:
     return_large_blocks()
     initialize_distributed()
     self.config, self.workdir = config, workdir
+    # What can refuse the inputs (the mesh, the dataset, the held-out
+    # split) runs before the workdir exists: a refused run leaves none.
+    self.mesh = make_mesh(config.mesh)
+    self.dialogues = training_dialogues(config.dataset)
+    self.validation, self.curriculum = plan_sessions(config, self.dialogues)
     # One writer per workdir (process 0 writes for a multi-host job).
     self.lock = WorkdirLock(workdir, "train")
     if jax.process_index() == 0:
       self.lock.acquire()
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() == 0:
-      write_config(config, workdir)
-    self.mesh = make_mesh(config.mesh)
-    self.dialogues = training_dialogues(config.dataset)
+      write_atomic(os.path.join(workdir, CONFIG_FILE), config_json(config))
     self.encoder = make_encoder(config.encoder)
     model, tokenizer = load_policy_and_tokenizer(config.policy)
     if config.policy.init_checkpoint:  # The KL reference starts here too.
@@ -319,7 +327,6 @@ class Trainer:
                                    self.mesh, constraint=self.constraint,
                                    max_rows_per_wave=(
                                        config.rollout.max_rows_per_wave))
-    self.validation, self.curriculum = plan_sessions(config, self.dialogues)
     self.total_steps = rl.max_steps or self.curriculum.planned_steps
     self.checkpointer = Checkpointer.for_workdir(workdir, config.checkpoint)
     self.key = jax.random.key(config.seed)
@@ -457,6 +464,7 @@ class Trainer:
                               self.config.memory, self.qa, self.reward,
                               self.editors, edits)
     reward_s = time.perf_counter() - start
+    self._check_qa_failures(step + 1, episodes, terms, failures_before)
     rewards = np.array([t.reward for t in terms])
     # A NaN / inf reward (e.g. from a QA score) makes its rollout invalid:
     # counted and logged, and the run goes on.
@@ -509,6 +517,25 @@ class Trainer:
     self.loop["step"] = step + 1
     return metrics
 
+  def _check_qa_failures(self, step: int, episodes: list[Episode],
+                         terms: list[Any], failures_before: int) -> None:
+    """Raises `config.CallsFailed` (before the step's update: the newest
+    checkpoint stays the run's state) when more of this step's QA
+    questions went unjudged (failed calls) than `qa.max_failure_rate`
+    accepts. Only valid rollouts' banks are asked their questions."""
+    failed = sum(self.qa.failures.values()) - failures_before
+    if failed:
+      qa = self.config.qa
+      asked = sum(len(episodes[row // self.group].questions)
+                  for row, t in enumerate(terms) if t.valid)
+      check_failures(
+          failed, asked,
+          qa.max_failure_rate,
+          f"QA questions of step {step} could not be judged (answer "
+          f"{qa.answer.base_url}, judge {qa.judge_endpoint.base_url})",
+          "no update made from them: rerun to resume from the last "
+          "checkpoint")
+
   def save_checkpoint(self) -> None:
     step = self.loop["step"]
     if step not in self.checkpointer.steps():
@@ -534,6 +561,9 @@ class Trainer:
     history = []
     with contextlib.ExitStack() as stack:
       stack.callback(writer.close)
+      # A failed save cuts the metrics back to the last saved step.
+      stack.enter_context(metrics_follow_checkpoints(self.checkpointer,
+                                                     writer))
       stack.callback(self.checkpointer.wait)
       stop = stop or stack.enter_context(StopSignals())
       if isinstance(self.policy.engine, Sampler):
@@ -597,8 +627,7 @@ def train(config, workdir: str,
     if not os.path.exists(before_path):  # The initial policy's response.
       echo(f"the initial policy writes memory for session {demo_session}"
            " ...")
-      with open(before_path, "w") as f:
-        f.write(loop.greedy_response(demo_ref))
+      write_atomic(before_path, loop.greedy_response(demo_ref))
     loop.run(stop, echo)
   echo("the trained policy writes memory for the same session ...")
   after = loop.greedy_response(demo_ref)

@@ -17,19 +17,22 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from absl import logging
 
 from cmimem_jax.client import Messages
-from cmimem_jax.data.files import path_under, read_jsonl
+from cmimem_jax.data.files import path_under, read_jsonl, write_json
 from cmimem_jax.data.types import Dialogue
 from cmimem_jax.encoders.base import Encoder
+from cmimem_jax.evaluation.builders import CallFailed
 from cmimem_jax.memory.apply import MemoryEditors
 from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.builder import Responder
 from cmimem_jax.memory.dsl import ParsedResponse, parse
+from cmimem_jax.memory.types import MemoryType
 from cmimem_jax.task.episode import apply_to_copy, policy_messages
 
 # In an expert-states directory: what built it, and one record per teacher
@@ -89,6 +92,41 @@ def expert_responses(directory: str
           if record["valid"]}
 
 
+def _failed_call_record(record: dict[str, Any], answer_format: str) -> bool:
+  """Whether a teacher record is a failed call that an earlier version of
+  `build_expert_snapshots` logged as a rejected response (and built the
+  next state from). DSL: the responder's "policy call failed" error; the
+  four agents: an answer without every agent's output."""
+  if answer_format != "agents":
+    return any("call failed" in e for e in record.get("errors", ()))
+  try:
+    outputs = json.loads(record.get("response") or "{}")
+  except ValueError:
+    return False
+  return isinstance(outputs, dict) and not {t.value for t in MemoryType} <= (
+      set(outputs))
+
+
+def _resume_point(directory: str, dialogue: Dialogue,
+                  records: dict[tuple[str, int], dict[str, Any]],
+                  answer_format: str) -> int:
+  """How many states `s0, s1, …` of `dialogue` are saved and real: a state
+  built past a failed teacher call (by an earlier version) is not, and it
+  and every later state are removed here, to be built again."""
+  saved = _saved_prefix(directory, dialogue)
+  for t in range(saved - 1):
+    record = records.get((dialogue.dialogue_id, t))
+    if record is not None and _failed_call_record(record, answer_format):
+      logging.warning("%s: state s%d was built past a failed teacher call: "
+                      "building s%d.. again", dialogue.dialogue_id, t + 1,
+                      t + 1)
+      for later in range(t + 1, saved):
+        shutil.rmtree(path_under(directory, dialogue.dialogue_id,
+                                 f"s{later}"))
+      return t + 1
+  return saved
+
+
 def build_expert_snapshots(dialogues: Sequence[Dialogue], respond: Responder,
                            encoder: Encoder, memory: Any, directory: str,
                            settings: dict[str, Any],
@@ -98,15 +136,20 @@ def build_expert_snapshots(dialogues: Sequence[Dialogue], respond: Responder,
   memory session by session; `M_{t-1}` of every session is saved as soon
   as it exists, so a rerun continues from the newest saved state. An
   invalid teacher response leaves the bank unchanged (as at evaluation)
-  and is counted; every response is logged in `TEACHER_LOG`.
+  and is counted; every response is logged in `TEACHER_LOG`. A failed
+  teacher call (`CallFailed`: no response at all) is never a state: the
+  dialogue stops there, nothing more of it is saved, and the next run
+  asks again.
 
   Args:
     settings: what the states depend on (encoder, memory, teacher), kept
       in `STATES_FILE`; a rerun with other settings is refused.
 
   Returns:
-    `{"dialogues", "sessions", "built", "rejected"}` over the whole
-    directory (`built`: teacher calls made by this run).
+    `{"dialogues", "sessions", "built", "rejected", "failed", "missing"}`
+    over the whole directory (`built`: teacher calls made by this run that
+    gave a state; `failed`: dialogues this run stopped at a failed call;
+    `missing`: states still to build).
 
   Raises:
     ValueError: the directory holds states of other settings.
@@ -123,12 +166,13 @@ def build_expert_snapshots(dialogues: Sequence[Dialogue], respond: Responder,
       raise ValueError(f"{directory} holds expert states of other settings "
                        f"({', '.join(changed)}): use a new directory")
   else:
-    with open(settings_path, "w", encoding="utf-8") as f:
-      json.dump(settings, f, indent=1)
-  built = 0
+    write_json(settings_path, settings)
+  answer_format = settings.get("teacher", {}).get("format", "")
+  records = teacher_records(directory)
+  built = failed = 0
   with open(os.path.join(directory, TEACHER_LOG), "a", encoding="utf-8") as log:
     for dialogue in dialogues:
-      saved = _saved_prefix(directory, dialogue)
+      saved = _resume_point(directory, dialogue, records, answer_format)
       if saved == 0:
         bank = MemoryBank(dialogue.dialogue_id, encoder.dim)
         bank.save(path_under(directory, dialogue.dialogue_id, "s0"))
@@ -138,7 +182,13 @@ def build_expert_snapshots(dialogues: Sequence[Dialogue], respond: Responder,
                                           f"s{saved - 1}"))
       for t in range(saved - 1, len(dialogue.sessions) - 1):
         session = dialogue.sessions[t]
-        response = respond(bank, session)
+        try:
+          response = respond(bank, session)
+        except CallFailed as e:
+          failed += 1
+          logging.warning("%s session %d: no state built, the teacher call "
+                          "failed (%s)", dialogue.dialogue_id, t, e)
+          break
         built += 1
         log.write(json.dumps({
             "dialogue_id": dialogue.dialogue_id, "session_index": t,
@@ -157,7 +207,12 @@ def build_expert_snapshots(dialogues: Sequence[Dialogue], respond: Responder,
   return {"dialogues": len(dialogues),
           "sessions": sum(len(d.sessions) for d in dialogues),
           "built": built,
-          "rejected": sum(not r["valid"] for r in records.values())}
+          "rejected": sum(not r["valid"]
+                          and not _failed_call_record(r, answer_format)
+                          for r in records.values()),
+          "failed": failed,
+          "missing": sum(len(d.sessions) - _saved_prefix(directory, d)
+                         for d in dialogues)}
 
 
 def load_expert_snapshots(directory: str, dialogues: Sequence[Dialogue],

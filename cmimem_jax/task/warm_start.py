@@ -30,10 +30,10 @@ import numpy as np
 from absl import logging
 
 from cmimem_jax.client import ChatModel
-from cmimem_jax.config import (Interrupted, finite_number,
-                               register_section, validate_config,
-                               write_config)
-from cmimem_jax.data.files import WorkdirLock
+from cmimem_jax.config import (CONFIG_FILE, Interrupted, config_json,
+                               finite_number, register_section,
+                               validate_config)
+from cmimem_jax.data.files import WorkdirLock, write_atomic
 from cmimem_jax.data.types import Dialogue, Session
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.evaluation.builders import policy_responder
@@ -44,6 +44,7 @@ from cmimem_jax.memory.extractive import ResponseFits, extractive_operations
 from cmimem_jax.memory.types import MemoryType, Operation
 from cmimem_jax.models.host_memory import return_large_blocks
 from cmimem_jax.parallel import batch_divisor, make_mesh
+from cmimem_jax.rl.checkpoint import metrics_follow_checkpoints
 from cmimem_jax.rl import (Checkpointer, Learner, MetricsWriter,
                            OptimizerConfig, SFTLossConfig, StopSignals,
                            TrainStepConfig, supervised_batch)
@@ -160,9 +161,7 @@ def trimmed_count(records: Sequence[dict[str, Any]], top_k: int) -> int:
 
 def write_jsonl(path: str, records: Sequence[dict[str, Any]]) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w", encoding="utf-8") as f:
-    for record in records:
-      f.write(json.dumps(record) + "\n")
+  write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def _check_sft(c) -> None:
@@ -228,7 +227,7 @@ def run_sft(config, workdir: str,
     lock.acquire()
   os.makedirs(workdir, exist_ok=True)
   if jax.process_index() == 0:
-    write_config(config, workdir)
+    write_atomic(os.path.join(workdir, CONFIG_FILE), config_json(config))
   sft = config.sft
   return_large_blocks()  # As `loop.Trainer`: freed buffers leave the RSS.
   mesh = make_mesh(config.mesh)
@@ -277,6 +276,7 @@ def run_sft(config, workdir: str,
 
   with contextlib.ExitStack() as stack:
     stack.callback(writer.close)
+    stack.enter_context(metrics_follow_checkpoints(checkpointer, writer))
     stack.callback(checkpointer.wait)
     stop = stack.enter_context(StopSignals())
     while step < total:

@@ -3,15 +3,17 @@ files, offline and against a loopback endpoint with injected failures."""
 
 import json
 import os
+import socket
 import threading
 import time
 import zlib
 
 import pytest
 
-from cmimem_jax.config import ConfigError, apply_overrides
+from cmimem_jax.config import (CallsFailed, ConfigError, apply_overrides,
+                               check_failures)
 from cmimem_jax.data import load_locomo
-from cmimem_jax.evaluation.run import evaluate
+from cmimem_jax.evaluation.run import evaluate, failed_endpoints
 
 from fake_openai import FakeOpenAI  # noqa: I100
 
@@ -163,6 +165,38 @@ def test_prompting_method_builds_a_bank_from_valid_agents_and_reuses_it(
     ids = {e.entry_id for e in bank.stores[MemoryType.EPISODIC].entries}
     assert all(record["retrieved"] and set(record["retrieved"]) <= ids
                for record in records)
+
+
+def test_a_failed_builder_call_caches_no_bank_and_scores_nothing_on_it(
+    locomo_path, tmp_path):
+  """The builder's endpoint is down: no bank is cached and none of the
+  dialogue's questions is scored (`missing`); the gate names the builder's
+  URL. The rerun against a working builder builds the bank and scores
+  them all."""
+  with socket.socket() as probe:  # A port where nothing listens.
+    probe.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{probe.getsockname()[1]}/v1"
+  overrides = {"method": "prompting", "dataset.dialogues": 1,
+               "builder.endpoint.model": "fake",
+               "builder.endpoint.max_retries": 0}
+  config = eval_config(locomo_path, limit=5, **overrides,
+                       **{"builder.endpoint.base_url": dead})
+  result = evaluate(config, str(tmp_path))
+  assert result["n"] == 0 and result["missing"] == 5
+  assert result["call_failures"]["build"]["unbuilt_dialogues"] == 1
+  assert not os.path.exists(tmp_path / "banks" / "prompting" / "conv-26")
+  assert failed_endpoints(config, result) == f"builder {dead}"
+  with pytest.raises(CallsFailed, match=f"^all 5 questions could not be "
+                     f"scored: calls to builder {dead} failed"):
+    check_failures(result["failures"] + result["missing"],
+                   result["n"] + result["missing"], 0.0,
+                   "questions could not be scored: calls to "
+                   f"{failed_endpoints(config, result)}")
+  with FakeOpenAI(reply=agent_reply) as server:
+    config.builder.endpoint.base_url = server.base_url
+    rerun = evaluate(config, str(tmp_path))
+  assert rerun["n"] == 5 and rerun["missing"] == 0
+  assert os.path.exists(tmp_path / "banks" / "prompting" / "conv-26")
 
 
 def test_bad_config_is_reported_before_work(locomo_path, tmp_path):

@@ -3,7 +3,11 @@
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -43,20 +47,34 @@ def _dialogues(tmp_path):
   return source, records
 
 
-def test_synthesizes_session_qa_and_counts_failures(tmp_path):
+def test_synthesizes_session_qa_and_counts_failures(tmp_path, capsys):
   source, records = _dialogues(tmp_path)
+  sessions = sum(len(r["haystack_sessions"]) for r in records)
+  output = tmp_path / "dialogues_qa.json"
+  flags = [f"--input={source}", "--model=fake", "--per_session=5"]
   with FakeOpenAI(reply=qa_reply) as server:
-    stats = synthesize_qa.main([f"--input={source}", "--model=fake",
-                                f"--base_url={server.base_url}",
-                                "--per_session=5"])
+    # Session 2 of both dialogues fails: more than the rate accepted by
+    # default (0), so nothing is written, the endpoint and count named.
+    with pytest.raises(SystemExit) as failed:
+      synthesize_qa.main(flags + [f"--base_url={server.base_url}"])
+    message = failed.value.code
+    assert message.startswith(f"error: 2 of {sessions} sessions failed")
+    assert server.base_url in message and "\n" not in message
+    assert "2 answers without JSON pairs" in message
+    assert not output.exists()
+    capsys.readouterr()
+    # Accepting the rate: the rerun asks only for the failed sessions.
+    asked = server.requests
+    stats = synthesize_qa.main(flags + [f"--base_url={server.base_url}",
+                                        "--max_failure_rate=0.5"])
+    assert server.requests - asked == 2 and stats["calls"] == 2
   # Without --expert_states: our prompt over the earlier sessions.
   assert all(p.startswith(synthesize_qa.PROMPT.split("\n")[0])
              for p in server.attempts)
-  sessions = sum(len(r["haystack_sessions"]) for r in records)
   assert stats["failed_sessions"] == 2  # Session 2 of both dialogues.
+  assert stats["kept_from_earlier_runs"] == sessions - 2
   assert stats["sessions"] == sessions - 2 and stats["pairs"] == 3 * (
       sessions - 2)
-  output = tmp_path / "dialogues_qa.json"
   assert stats["output"] == str(output)
   # The written file loads as training data with the new QA pairs.
   dialogues = load_dataset("longmemeval", str(output))
@@ -64,6 +82,84 @@ def test_synthesizes_session_qa_and_counts_failures(tmp_path):
   session_qa = [q for q in first.questions if q.category != "knowledge-update"]
   assert {q.category for q in session_qa} == {"single-session", "temporal"}
   assert len(session_qa) == 3 * (len(first.sessions) - 1)
+
+
+def test_an_interrupted_run_resumes_with_only_the_remaining_calls(
+    tmp_path, capsys):
+  """SIGTERM after k sessions: one line says what was kept, the exit is
+  143; the rerun asks only for the other sessions and writes what an
+  uninterrupted run writes."""
+  source, records = _dialogues(tmp_path)
+  sessions = sum(len(r["haystack_sessions"]) for r in records)
+  reply = lambda content: qa_reply(content.replace("Session 2 (",  # noqa
+                                                   "Session 9 ("))
+  flags = [f"--input={source}", "--model=fake", "--concurrency=1"]
+  with FakeOpenAI(reply=reply) as server:
+    whole = synthesize_qa.main(flags + [f"--base_url={server.base_url}",
+                                        f"--output={tmp_path / 'whole.json'}"])
+  assert whole["sessions"] == sessions
+  k = 3
+
+  def stop_after_k(content):
+    if server.requests == k:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return reply(content)
+  resumed = tmp_path / "resumed.json"
+  with FakeOpenAI(reply=stop_after_k) as server:
+    with pytest.raises(SystemExit) as stopped:
+      synthesize_qa.main(flags + [f"--base_url={server.base_url}",
+                                  f"--output={resumed}"])
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert server.requests == k and not resumed.exists()
+    line = capsys.readouterr().err.strip()
+    assert line == (f"stopped by SIGTERM: {k} of {sessions} sessions' pairs "
+                    f"kept in {resumed}.progress.jsonl; rerun the same "
+                    "command to continue")
+    server.reply = reply
+    rerun = synthesize_qa.main(flags + [f"--base_url={server.base_url}",
+                                        f"--output={resumed}"])
+  assert server.requests == sessions  # k before the stop, the rest now.
+  assert rerun["calls"] == sessions - k
+  assert rerun["kept_from_earlier_runs"] == k
+  assert resumed.read_text() == (tmp_path / "whole.json").read_text()
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_the_command_prints_one_line_and_keeps_the_pairs(
+    tmp_path):
+  """The command itself (a subprocess): Ctrl-C while calls are answered
+  prints one line, no traceback, and exits 130; what was answered is in
+  the progress file."""
+  source, records = _dialogues(tmp_path)
+  output = tmp_path / "out.json"
+  started = threading.Event()
+
+  def slow(content):
+    started.set()
+    time.sleep(0.3)
+    return qa_reply(content)
+  with FakeOpenAI(reply=slow) as server:
+    process = subprocess.Popen(
+        [sys.executable, synthesize_qa.__file__, f"--input={source}",
+         "--model=fake", "--concurrency=1", f"--base_url={server.base_url}",
+         f"--output={output}"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert started.wait(60)
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+  assert process.returncode == 128 + signal.SIGINT, err
+  assert "Traceback" not in err
+  line = err.strip().splitlines()[-1]
+  assert re.fullmatch(r"stopped by SIGINT: \d+ of \d+ sessions' pairs kept "
+                      r"in .*out\.json\.progress\.jsonl; rerun the same "
+                      "command to continue", line), err
+  kept = int(line.split(": ")[1].split()[0])
+  assert kept >= 1
+  assert len((tmp_path / "out.json.progress.jsonl").read_text().splitlines()
+             ) == 1 + kept  # The settings line, then one per session.
+  assert not output.exists()
 
 
 def test_max_tokens_fits_a_capped_server_and_nothing_synthesized_fails(
@@ -80,7 +176,8 @@ def test_max_tokens_fits_a_capped_server_and_nothing_synthesized_fails(
     assert not (tmp_path / "dialogues_qa.json").exists()
     stats = json.loads(capsys.readouterr().out)  # Still counted.
     assert stats["failed_calls"] == {"http_4xx": stats["failed_sessions"]}
-    stats = synthesize_qa.main(flags + ["--max_tokens=512"])
+    stats = synthesize_qa.main(flags + ["--max_tokens=512",
+                                        "--max_failure_rate=0.5"])
   message = failed.value.code
   assert isinstance(message, str) and "\n" not in message
   assert message.startswith("error: no QA pairs synthesized")

@@ -169,6 +169,31 @@ def test_eos_and_stop_sequences(model):
   np.testing.assert_array_equal(by_stop.tokens[1, :end], row[:end])
 
 
+def test_each_row_stops_at_its_own_stop_sequences(model):
+  """`row_stop_shape`: every call takes a `[B, slots, tokens]` table (one
+  compiled shape); each row stops at its own sequences, a row without any
+  runs to its budget, a sequence longer than the table is left out."""
+  plain = Sampler(model, SamplingConfig(temperature=0.0, max_new_tokens=6),
+                  buckets=(8,))
+  first = plain(PROMPTS, jax.random.key(0))
+  rows = [[int(t) for t in first.tokens[i]] for i in range(len(PROMPTS))]
+  per_row = Sampler(model, SamplingConfig(temperature=0.0, max_new_tokens=6),
+                    buckets=(8,), row_stop_shape=(2, 2))
+  stops = [[rows[0][1:3]], [], [rows[2][2:3], [1, 2, 3]]]
+  out = per_row.generate(PROMPTS, jax.random.key(0), 0.0, 1.0, 6,
+                         row_stops=stops)
+  end0 = next(i + 2 for i in range(5) if rows[0][i:i + 2] == rows[0][1:3])
+  assert out.lengths[0] == end0
+  assert out.lengths[1] == 6
+  assert out.lengths[2] == rows[2].index(rows[2][2]) + 1
+  np.testing.assert_array_equal(out.tokens[0, :end0], rows[0][:end0])
+  # Without stops, the same tokens as the plain sampler.
+  none = per_row.generate(PROMPTS, jax.random.key(0), 0.0, 1.0, 6)
+  np.testing.assert_array_equal(none.tokens, first.tokens)
+  with pytest.raises(ValueError, match="need a sampler made with"):
+    plain.generate(PROMPTS, jax.random.key(0), 0.0, 1.0, 6, row_stops=stops)
+
+
 def test_prompt_too_long(model):
   sampler = Sampler(model, SamplingConfig(max_new_tokens=4), buckets=(4,))
   with pytest.raises(ValueError, match="exceeds the largest bucket"):

@@ -7,6 +7,7 @@ import ctypes
 import gc
 import importlib.util
 import json
+import logging
 import os
 import signal
 import socket
@@ -319,6 +320,87 @@ def headers(length: str | int, extra: str = "") -> bytes:
   return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n"
           f"Content-Type: application/json\r\n{extra}"
           f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def _greedy_tokens(server, body_messages, max_tokens):
+  """The tokens the served policy writes greedily (as the server does:
+  equal, see the batching test)."""
+  policy = server.batcher.policy
+  out = policy.generate([policy.encode(body_messages)],
+                        __import__("jax").random.key(0), 0.0, 1.0, max_tokens)
+  return policy.completion_tokens(out, 0)
+
+
+def test_stop_strings_cut_the_reply_and_end_decoding(server):
+  """OpenAI's `stop`: the reply ends before the first stop string, finish
+  "stop". A stop string written with its own tokens ends decoding there;
+  one spanning a token boundary is cut from the text."""
+  url = server.base_url + "/chat/completions"
+  body = {"messages": messages(3), "max_tokens": 8}
+  status, plain = post(url, body)
+  text = plain["choices"][0]["message"]["content"]
+  assert status == 200 and plain["usage"]["completion_tokens"] == 8
+  policy = server.batcher.policy
+  tokens = _greedy_tokens(server, messages(3), 8)
+  assert policy.decode(tokens) == text
+  # A token whose text is written with that token alone, first seen there.
+  j = next(j for j in range(1, 6)
+           if policy.decode(tokens[j:j + 1]).strip()
+           and policy.stop_tokens(policy.decode(tokens[j:j + 1])) == [
+               tokens[j]]
+           and text.find(policy.decode(tokens[j:j + 1])) == len(
+               policy.decode(tokens[:j])))
+  stop = policy.decode(tokens[j:j + 1])
+  status, cut = post(url, {**body, "stop": ["never-written", stop]})
+  assert status == 200
+  assert cut["choices"][0]["message"]["content"] == text[:text.find(stop)]
+  assert cut["choices"][0]["finish_reason"] == "stop"
+  assert cut["usage"]["completion_tokens"] == j + 1  # Decoding ended.
+  # Across a token boundary: the text decides.
+  boundary = len(policy.decode(tokens[:j]))
+  across = text[boundary - 1:boundary + 1]
+  status, cut = post(url, {**body, "stop": across})
+  assert cut["choices"][0]["message"]["content"] == text[:text.find(across)]
+  assert cut["choices"][0]["finish_reason"] == "stop"
+  # The official client, and a stream, the same way.
+  import openai
+  client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+  reply = client.chat.completions.create(
+      model="cmimem-local", messages=messages(3), max_tokens=8, stop=stop)
+  assert reply.choices[0].message.content == text[:text.find(stop)]
+  streamed = client.chat.completions.create(
+      model="cmimem-local", messages=messages(3), max_tokens=8, stop=[stop],
+      stream=True)
+  assert "".join(c.choices[0].delta.content or "" for c in streamed) == (
+      text[:text.find(stop)])
+
+
+@pytest.mark.parametrize("stop", [{"a": 1}, ["a", "b", "c", "d", "e"], [1],
+                                  [""], "", ["ok", None]])
+def test_a_bad_stop_is_a_400(server, stop):
+  status, reply = post(server.base_url + "/chat/completions",
+                       {"messages": messages(0), "stop": stop})
+  assert status == 400
+  assert reply["error"]["message"] == (
+      "'stop' must be a non-empty string or a list of up to 4 non-empty "
+      "strings")
+
+
+def test_a_client_gone_mid_body_is_one_info_line(server, caplog):
+  caplog.set_level(logging.INFO)
+  with socket.create_connection(server.socket.getsockname()[:2],
+                                timeout=30) as sock:
+    sock.sendall(headers(100) + b'{"messages": [')
+    time.sleep(0.2)
+  deadline = time.monotonic() + 10
+  while time.monotonic() < deadline and not any(
+      "disconnected" in r.getMessage() for r in caplog.records):
+    time.sleep(0.05)
+  lines = [r for r in caplog.records if "disconnected" in r.getMessage()]
+  assert len(lines) == 1 and lines[0].levelno == logging.INFO
+  assert lines[0].getMessage().startswith(
+      "client 127.0.0.1:")
+  assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_oversized_declared_body_is_refused_before_reading(server):

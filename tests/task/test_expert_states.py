@@ -5,12 +5,15 @@ the trainer's prompts and rewards use them and nothing rebuilds them."""
 import json
 import os
 import pathlib
+import socket
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 from cmimem_jax.client import CallResult
+from cmimem_jax.config import CallsFailed, check_failures
 from cmimem_jax.memory import MemoryBank
 from cmimem_jax.rl import read_metrics
 from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
@@ -19,8 +22,11 @@ from cmimem_jax.task.loop import Trainer
 from cmimem_jax.task.snapshots import (TEACHER_LOG, expert_responses,
                                        teacher_records)
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TOOLS = ROOT / "tools"
+sys.path.insert(0, str(TOOLS))
 import build_expert_states  # noqa: E402
+from scripted_llm import ScriptedLLM  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from test_train import TINY_BUCKETS, tiny_config  # noqa: E402
@@ -90,6 +96,117 @@ def test_states_are_resumable_and_count_rejections(tmp_path):
   # Other settings (another encoder) are refused, not mixed in.
   with pytest.raises(ValueError, match="other settings"):
     _build(tmp_path / "whole", ScriptedTeacher(), **{"encoder.dim": 32})
+
+
+class FailingTeacher(ScriptedTeacher):
+  """The scripted teacher whose calls fail (no response at all: a dead
+  endpoint) for the sessions whose prompt holds `fail` ("" = every one)."""
+
+  def __init__(self, fail=""):
+    super().__init__()
+    self.fail = fail
+
+  def chat_many(self, conversations, max_tokens=None):
+    answers = super().chat_many(conversations, max_tokens)
+    return [CallResult(None, "connection: APIConnectionError: refused")
+            if self.fail in m[-1]["content"] else a
+            for m, a in zip(conversations, answers)]
+
+
+def _saved_states(directory):
+  return sorted(str(p.relative_to(directory))
+                for p in pathlib.Path(directory).glob("*/s*"))
+
+
+def test_a_failed_teacher_call_saves_no_state_and_a_rerun_builds_it(
+    tmp_path):
+  """A dead teacher: every dialogue stops at its first call, no state but
+  the empty s0 is saved, the failure gate names the endpoint; the rerun
+  with a working teacher builds every state, as one uninterrupted run."""
+  whole = _build(tmp_path / "whole", ScriptedTeacher())
+  dead = _build(tmp_path / "states", FailingTeacher())
+  dialogues, sessions = dead["dialogues"], dead["sessions"]
+  assert dead["built"] == 0 and dead["failed"] == dialogues
+  assert dead["missing"] == sessions - dialogues and dead["rejected"] == 0
+  assert _saved_states(tmp_path / "states") == sorted(
+      f"{d}/s0" for d in {p.split("/")[0] for p in
+                          _saved_states(tmp_path / "whole")})
+  assert not teacher_records(str(tmp_path / "states"))
+  with pytest.raises(CallsFailed, match=(
+      f"^all {dialogues} sessions' teacher calls to http://dead failed; "
+      f"{sessions - dialogues} states not built$")):
+    check_failures(dead["failed"], dead["built"] + dead["failed"], 0.0,
+                   "sessions' teacher calls to http://dead",
+                   f"{dead['missing']} states not built")
+  rerun = _build(tmp_path / "states", ScriptedTeacher())
+  assert rerun["built"] == whole["built"] and rerun["missing"] == 0
+  assert _banks(tmp_path / "states") == _banks(tmp_path / "whole")
+  # One session failing: its dialogue stops there, the others finish; the
+  # gate accepts it only at a rate that covers it.
+  partial = _build(tmp_path / "partial", FailingTeacher("Biscuit climbed"))
+  assert partial["failed"] == 1 and partial["missing"] > 0
+  total = partial["built"] + partial["failed"]
+  with pytest.raises(CallsFailed, match=f"^1 of {total} calls failed \\(more "
+                     "than --max_failure_rate=0.05\\)"):
+    check_failures(1, total, 0.05, "calls")
+  check_failures(1, total, 1 / total, "calls")  # Accepted: no error.
+
+
+def test_states_built_past_a_failed_call_by_an_older_version_are_rebuilt(
+    tmp_path):
+  """An earlier version logged a failed call as a rejected response and
+  saved the unchanged bank as the next state: a rerun finds those states
+  by their teacher records and builds them again."""
+  whole = _build(tmp_path / "whole", ScriptedTeacher())
+  directory = tmp_path / "old"
+  _build(directory, ScriptedTeacher())
+  log = directory / TEACHER_LOG
+  records = [json.loads(line) for line in log.read_text().splitlines()]
+  stale = records[1]  # Session 1 of the first dialogue: "failed".
+  stale.update(valid=False, response="",
+               errors=["line None: policy call failed: connection: refused"])
+  log.write_text("".join(json.dumps(r) + "\n" for r in records))
+  dialogue, t = stale["dialogue_id"], stale["session_index"]
+  old_bank = MemoryBank.load(str(directory / dialogue / f"s{t}"))
+  old_bank.save(str(directory / dialogue / f"s{t + 1}"))
+  rerun = _build(directory, ScriptedTeacher())
+  later = sum(1 for r in records if r["dialogue_id"] == dialogue
+              and r["session_index"] >= t)
+  assert rerun["built"] == later and rerun["rejected"] == 0
+  assert _banks(directory) == _banks(tmp_path / "whole")
+  assert whole["missing"] == 0
+
+
+@pytest.mark.slow
+def test_the_command_exits_non_zero_on_a_dead_teacher_and_resumes(tmp_path):
+  """`tools/build_expert_states.py` itself: nothing listening at the
+  teacher's URL -> one error line naming it, exit 1, no state; the same
+  command against the scripted stand-in builds every state."""
+  with socket.socket() as probe:  # A port where nothing listens.
+    probe.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{probe.getsockname()[1]}/v1"
+  command = [sys.executable, str(TOOLS / "build_expert_states.py"),
+             f"--config={ROOT / 'configs' / 'tiny.py'}",
+             "--config.dataset.dialogues=2", f"--output={tmp_path / 's'}",
+             "--model=scripted", "--format=dsl", "--max_retries=0"]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+  failed = subprocess.run(command + [f"--base_url={dead}"], env=env,
+                          capture_output=True, text=True, timeout=300)
+  assert failed.returncode == 1, failed.stderr
+  error = failed.stderr.strip().splitlines()[-1]
+  assert error.startswith("error: CallsFailed: all 2 sessions' teacher calls "
+                          f"to {dead}"), failed.stderr
+  assert "Traceback" not in failed.stderr
+  assert json.loads(failed.stdout)["built"] == 0
+  assert all(p.endswith("/s0") for p in _saved_states(tmp_path / "s"))
+  with ScriptedLLM() as teacher:
+    done = subprocess.run(command + [f"--base_url={teacher.base_url}"],
+                          env=env, capture_output=True, text=True,
+                          timeout=300)
+  assert done.returncode == 0, done.stderr
+  counts = json.loads(done.stdout)
+  assert counts["failed"] == 0 and counts["missing"] == 0
+  assert counts["built"] == counts["sessions"] - counts["dialogues"]
 
 
 class CopyingEngine:

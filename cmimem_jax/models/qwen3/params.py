@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from cmimem_jax.caches import cache_dir
+from cmimem_jax.data.files import write_json
 from cmimem_jax.models.hf_tokenizer import load_hf_tokenizer
 from cmimem_jax.models.host_memory import release_free_heap
 from cmimem_jax.models.qwen3.model import Qwen3, Qwen3Config
@@ -219,16 +220,13 @@ def save_hf(model: Qwen3, directory: str,
       save_file(shard, os.path.join(directory, file), metadata={"format": "pt"})
       weight_map.update({name: file for name in shard})
     total = sum(a.nbytes for s in shards for a in s.values())
-    with open(os.path.join(directory, "model.safetensors.index.json"),
-              "w") as f:
-      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
-                f, indent=1)
+    write_json(os.path.join(directory, "model.safetensors.index.json"),
+               {"metadata": {"total_size": total}, "weight_map": weight_map})
   hf_config = model.config.to_hf()
   if not model.has_lm_head:
     hf_config["architectures"] = [
         "Qwen3Model" if model.config.qk_norm else "LlamaModel"]
-  with open(os.path.join(directory, "config.json"), "w") as f:
-    json.dump(hf_config, f, indent=1)
+  write_json(os.path.join(directory, "config.json"), hf_config)
 
 
 # --- GGUF (llama.cpp) ---------------------------------------------------------
