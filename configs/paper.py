@@ -163,6 +163,13 @@ def training() -> ml_collections.ConfigDict:
       # (verl's default, MemBuilder's run); sequence_mean: per-sequence
       # means averaged (the GRPO paper).
       "loss_aggregation": "token_mean",
+      # π_old of the ratio: "learner", the policy's own log-probs at the
+      # start of the step under stop_gradient (verl's on-policy path with
+      # one update per step, MemBuilder's run: ratio 1, no extra forward,
+      # the sampler's log-probs only logged as the train/inference
+      # mismatch); "sampler": the decode-time ones (several updates per
+      # step).
+      "old_logprobs": "learner",
       # Whole rows: shared prompts attend through an XLA `[T, Tp]` score
       # block per row and head (20k x 6k here), not splash / cuDNN; the
       # plan (tools/plan.py) is proven for whole rows.

@@ -80,6 +80,8 @@ PAPER_TRAINING = {
     "rl.clip_ratio_c": (3.0, "MemBuilder's run: verl 0.4.0 dual-clip"),
     "rl.kl_clamp": (10.0, "MemBuilder's run: verl 0.4.0 low_var_kl"),
     "rl.grad_clip_norm": (1.0, "MemBuilder's run: verl 0.4.0"),
+    "rl.old_logprobs": ("learner", "MemBuilder's run: verl's on-policy "
+                        "old log-probs, one update per step"),
 }
 PAPER_EVALUATION = {
     "dataset.name": ("longmemeval", "§4.1"),

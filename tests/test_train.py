@@ -205,6 +205,10 @@ def test_crash_between_checkpoints_then_resume_with_a_snapshot_refresh(
   assert [m["step"] for m in crashed] == [1, 2, 3]
   for m in crashed:
     assert np.isfinite(m["loss"]) and "reward/cmi" in m and "kl" in m
+    # The JAX sampler's rollouts, on-policy old log-probs: ratio 1 on
+    # every token; the sampler/learner gap is logged.
+    assert m["ratio_deviation_max"] == 0.0
+    assert 0 <= m["logprob_gap"] <= m["logprob_gap_max"] < 1e-3
     assert len(m["sessions"]) == 5
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
   assert [m["snapshot_version"] for m in crashed] == [0, 0, 0]
@@ -291,24 +295,40 @@ def test_vllm_engine_receives_the_restored_weights(tmp_path, monkeypatch):
 
   monkeypatch.setattr(loop_module, "import_vllm", lambda: None)
   monkeypatch.setattr(loop_module, "VLLMEngine", StandInVLLM)
+  recomputed = []
+  recompute = loop_module.recompute_logprobs
+  monkeypatch.setattr(loop_module, "recompute_logprobs", lambda *args: (
+      recomputed.append(1), recompute(*args))[1])
   overrides = {"rl.max_steps": 1, "rollout.engine": "vllm"}
   first = Trainer(tiny_config(**overrides), str(tmp_path))
+  assert first.config.rl.old_logprobs == "learner"
   initial = np.asarray(jax.device_get(
       first.learner.params["embed"]))
-  first.run()
+  (metrics,) = first.run()
   trained = np.asarray(jax.device_get(
       first.learner.params["embed"]))
   assert not np.array_equal(initial, trained)
+  # On-policy old log-probs (the default): no separate forward, ratio 1 on
+  # every token, and the engine's log-probs (0 here: far from the
+  # policy's) logged as the mismatch.
+  assert not recomputed and "sampler_trainer_logprob_gap" not in metrics
+  assert metrics["ratio_deviation_max"] == 0.0
+  assert metrics["logprob_gap"] > 1 and metrics["rollout_probs_diff_max"] > 0
+  assert metrics["vllm_weight_push"] == "load_weights"
 
-  resumed = Trainer(tiny_config(**{**overrides, "rl.max_steps": 2}),
+  # "sampler" (several updates per step) recomputes them in JAX first.
+  resumed = Trainer(tiny_config(**{**overrides, "rl.max_steps": 2,
+                                   "rl.old_logprobs": "sampler"}),
                     str(tmp_path))
   assert resumed.resumed_from == 1
   engine = resumed.policy.engine
   assert len(engine.pushed) == 1  # Pushed once, before any rollout.
   np.testing.assert_array_equal(engine.pushed[0], trained)
   metrics = resumed.run()[0]
+  assert recomputed == [1]
   assert metrics["vllm_weight_push"] == "load_weights"
-  assert metrics["sampler_trainer_logprob_gap"] >= 0
+  assert metrics["sampler_trainer_logprob_gap"] > 1
+  assert metrics["logprob_gap"] < 1e-4  # Against the recomputed ones.
 
 
 def test_logprob_estimator_scores_with_the_frozen_reference(tmp_path):

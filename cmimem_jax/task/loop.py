@@ -51,7 +51,8 @@ from cmimem_jax.models.host_memory import (release_free_heap,
 from cmimem_jax.models.qwen3.params import save_hf
 from cmimem_jax.parallel import (initialize_distributed, make_mesh,
                                  parse_mesh_shape, resolve_mesh_shape)
-from cmimem_jax.rl import (Checkpointer, GRPOLossConfig, Learner,
+from cmimem_jax.rl import (OLD_LOGPROBS, Checkpointer, GRPOLossConfig,
+                           Learner,
                            MetricsWriter, OptimizerConfig, StopSignals,
                            TrainStepConfig,
                            group_advantages, load_model_weights, read_metrics,
@@ -131,6 +132,12 @@ def _check_training(c) -> None:
   for name in ("clip_ratio_c", "log_ratio_clamp", "kl_clamp"):
     c.check(f"rl.{name}", lambda v: finite_number(v, 0.0),
             "a finite number >= 0 (0: off)")
+  # The train step makes one optimizer update per step, so the learner's
+  # start-of-step log-probs are π_old ("learner", verl's on-policy path);
+  # a loop of several updates on one batch must take "sampler".
+  c.check("rl.old_logprobs", lambda v: v in OLD_LOGPROBS,
+          f"one of {OLD_LOGPROBS} ('learner': the policy's own, ratio 1; "
+          "'sampler': the decode-time ones)")
   try:
     grpo_loss_config(c.get("rl"))
   except (TypeError, ValueError, AttributeError) as e:
@@ -166,7 +173,7 @@ def grpo_loss_config(rl: Any) -> GRPOLossConfig:
   return GRPOLossConfig(
       rl.epsilon_low, rl.epsilon_high, rl.kl_beta, rl.loss_aggregation,
       clip_ratio_c=rl.clip_ratio_c, log_ratio_clamp=rl.log_ratio_clamp,
-      kl_clamp=rl.kl_clamp)
+      kl_clamp=rl.kl_clamp, old_logprobs=rl.old_logprobs)
 
 
 def _check_buckets(c) -> None:
@@ -440,8 +447,11 @@ class Trainer:
     out = self.policy.generate(rows, key, rollout.temperature, rollout.top_p,
                                rollout.max_new_tokens)
     sampler_gap = None
-    if isinstance(self.policy.engine, VLLMEngine):
-      # The learner's old log-probs are its own, not vLLM's.
+    if isinstance(self.policy.engine, VLLMEngine) and (
+        self.config.rl.old_logprobs == "sampler"):
+      # The learner's old log-probs are its own, not vLLM's ("learner":
+      # the train step takes them from its own forward instead, and logs
+      # vLLM's gap to them).
       old, sampler_gap = recompute_logprobs(self.learner.model, out,
                                             rollout.temperature,
                                             self.config.rl.logprob_chunk)
@@ -480,8 +490,9 @@ class Trainer:
     metrics = self.learner.step(rollout_batch(out, advantages, weights,
                                               self.constraint))
     self.policy.set_model(self.learner.model)
-    if sampler_gap is not None:
+    if isinstance(self.policy.engine, VLLMEngine):
       metrics["vllm_weight_push"] = self.policy.engine.last_push
+    if sampler_gap is not None:
       metrics["sampler_trainer_logprob_gap"] = sampler_gap
     metrics.update(_mean_terms(terms))
     metrics.update(
