@@ -196,7 +196,9 @@ def score_dialogue(dialogue: Dialogue, questions: list[Question],
         "question": question.question, "gold": question.answer,
         "prediction": predictions[i], "score": score,
         "context_recall": recall,
-        "retrieved": list(context.retrieved)}
+        "retrieved": list(context.retrieved),
+        # What the answer model reads: with LookupChunk, source turns too.
+        "context_chars": len(context.context)}
     if unscorable:
       record["unscorable"] = "unanswerable question: no gold to find"
     elif score is None:
