@@ -75,10 +75,14 @@ def encoder() -> ml_collections.ConfigDict:
 
 def memory() -> ml_collections.ConfigDict:
   """Table 6's memory settings; the policy compresses its own core block
-  over 90 % of the cap (Listing 5) and writes the merged text of an
-  episodic MERGE (Listing 9)."""
+  over 90 % of the cap (Listing 5), and an external summariser writes the
+  merged text of an episodic MERGE (Listing 9, App. H.3): the QA answer
+  model's endpoint ("answer"; App. H names no model for it).
+  `--config.memory.merge_summarizer=none` keeps the policy's own merged
+  text, as MemBuilder does; "external" sends Listing 9 to an endpoint of
+  its own (`memory.summarizer_endpoint`)."""
   section = memory_defaults()
-  section.update({"compressor": "policy", "merge_summarizer": "policy"})
+  section.update({"compressor": "policy", "merge_summarizer": "answer"})
   return section
 
 

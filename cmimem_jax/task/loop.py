@@ -37,7 +37,9 @@ from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cmimem_jax.cmi.logprob import PolicyProfileLM
-from cmimem_jax.cmi.reward import RewardComputer, RewardConfig
+from cmimem_jax.cmi.reward import (NO_EXPERT_RESPONSE, RewardComputer,
+                                   RewardConfig)
+from cmimem_jax.cmi.skip_table import calibrated
 from cmimem_jax.config import (Interrupted, finite_number, register_section,
                                validate_config, write_config)
 from cmimem_jax.data import Dialogue, WorkdirLock, load_configured
@@ -258,6 +260,10 @@ class Trainer:
     validate_config(config, required=("dataset", "encoder", "memory",
                                       "reward", "policy", "rollout", "rl",
                                       "qa"))
+    # The Semantic SKIP thresholds of this encoder (refused before anything
+    # loads when it has none: tools/skip_calibration.py first).
+    reward_config = calibrated(RewardConfig.from_config(config.reward),
+                               config.encoder)
     if config.rollout.engine == "vllm":
       import_vllm()  # Fails fast, with the install hint, where it is absent.
     # Freed step / decode buffers leave the resident set at once (a JAX
@@ -343,7 +349,6 @@ class Trainer:
       logging.info("resumed from step %d (skipped unreadable: %s)",
                    restored.step, restored.skipped)
     self.resumed_from = None if restored is None else restored.step
-    reward_config = RewardConfig.from_config(config.reward)
     profile_lm = None
     if reward_config.estimator == "logprob":
       # App. E / H.3: p_ref is the frozen initial policy (the KL
@@ -395,7 +400,9 @@ class Trainer:
     session = dialogue.sessions[ref.session]
     return Episode(dialogue, session, self.snapshots[ref.dialogue][ref.session],
                    session_questions(dialogue, session),
-                   self.expert.get((dialogue.dialogue_id, ref.session)))
+                   self.expert.get((dialogue.dialogue_id, ref.session),
+                                   NO_EXPERT_RESPONSE)
+                   if self.fixed_snapshots else None)
 
   def validate(self) -> dict[str, float]:
     """The held-out sessions answered greedily and scored with the full
@@ -513,7 +520,8 @@ class Trainer:
          "session_id": episodes[i // self.group].session.session_id,
          "rollout": i % self.group, "advantage": float(advantages[i]),
          **t.scalars(),
-         "semantic_skip_statement_rhos": t.semantic_skip_statement_rhos,
+         "semantic_skip_statement_cosines": (
+             t.semantic_skip_statement_cosines),
          "response": text}
         for i, (t, text) in enumerate(zip(terms, texts))]
     self.loop["step"] = step + 1

@@ -506,6 +506,22 @@ def test_on_policy_old_logprobs_give_ratio_one_and_verls_update():
     GRPOLossConfig(old_logprobs="reference")
 
 
+def test_weight_decay_reaches_the_optimizer():
+  """AdamW's decoupled decay: with a zero gradient (zero advantages, no
+  KL) one step scales every weight by exactly 1 - lr · weight_decay."""
+  batch = dict(synthetic_batch(3), advantages=np.zeros(8, np.float32))
+  model = tiny_model()
+  before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model,
+                                                               nnx.Param)))
+  learner = Learner(model, dataclasses.replace(
+      config(kl_beta=0.0), optimizer=OptimizerConfig(
+          learning_rate=0.1, weight_decay=0.5)), one_device_mesh())
+  metrics = learner.step(batch)
+  assert metrics["grad_norm"] == 0.0
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(learner.params)):
+    np.testing.assert_allclose(np.asarray(b), a * (1 - 0.1 * 0.5), rtol=1e-6)
+
+
 def test_grpo_learns_to_emit_a_target_token():
   """Reward = fraction of completion tokens equal to TARGET: the mean
   reward must rise clearly within a few dozen steps."""
