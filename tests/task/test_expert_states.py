@@ -139,13 +139,13 @@ def test_the_trainer_uses_the_expert_states_and_never_rebuilds_them(
     # `expert_output`, not the absolute band.
     assert loop.episode(ref).expert == responses.get(
         (dialogue.dialogue_id, ref.session), NO_EXPERT_RESPONSE)
-  last = SessionRef(0, len(loop.dialogues[0].sessions) - 1, 0.0)
-  assert loop.episode(last).expert is NO_EXPERT_RESPONSE
     if ref.session > 0:  # The policy prompt shows the expert's memories.
       prompt = loop.policy.tokenizer.decode(loop.policy.encode(
           policy_messages(bank, loop.episode(ref).session, loop.encoder,
                           loop.config.rollout.retrieval_top_k)))
       assert MARKER in prompt
+  last = SessionRef(0, len(loop.dialogues[0].sessions) - 1, 0.0)
+  assert loop.episode(last).expert is NO_EXPERT_RESPONSE
   snapshots = loop.snapshots
   loop.run()
   assert loop.snapshots is snapshots  # Nothing rebuilt at the epoch.
