@@ -20,7 +20,8 @@ setuptools.setup(
     long_description_content_type="text/markdown",
     packages=setuptools.find_packages(include=["cmimem_jax", "cmimem_jax.*"]),
     package_data={"cmimem_jax.data": ["bundled/*.json"],
-                  "cmimem_jax.evaluation": ["paper_results.json"]},
+                  "cmimem_jax.evaluation": ["paper_results.json"],
+                  "cmimem_jax.cmi": ["skip_calibration.json"]},
     python_requires=">=3.10",
     install_requires=_requirements(),
     extras_require={

@@ -75,10 +75,14 @@ def encoder() -> ml_collections.ConfigDict:
 
 def memory() -> ml_collections.ConfigDict:
   """Table 6's memory settings; the policy compresses its own core block
-  over 90 % of the cap (Listing 5) and writes the merged text of an
-  episodic MERGE (Listing 9)."""
+  over 90 % of the cap (Listing 5), and an external summariser writes the
+  merged text of an episodic MERGE (Listing 9, App. H.3): the QA answer
+  model's endpoint ("answer"; App. H names no model for it).
+  `--config.memory.merge_summarizer=none` keeps the policy's own merged
+  text, as MemBuilder does; "external" sends Listing 9 to an endpoint of
+  its own (`memory.summarizer_endpoint`)."""
   section = memory_defaults()
-  section.update({"compressor": "policy", "merge_summarizer": "policy"})
+  section.update({"compressor": "policy", "merge_summarizer": "answer"})
   return section
 
 
@@ -170,6 +174,13 @@ def training() -> ml_collections.ConfigDict:
       # (verl's default, MemBuilder's run); sequence_mean: per-sequence
       # means averaged (the GRPO paper).
       "loss_aggregation": "token_mean",
+      # π_old of the ratio: "learner", the policy's own log-probs at the
+      # start of the step under stop_gradient (verl's on-policy path with
+      # one update per step, MemBuilder's run: ratio 1, no extra forward,
+      # the sampler's log-probs only logged as the train/inference
+      # mismatch); "sampler": the decode-time ones (several updates per
+      # step).
+      "old_logprobs": "learner",
       # Each session's prompt runs once for its rollouts (exact): on TPU
       # the splash kernel over packed [prompt; rollout 1; ...; rollout 8]
       # sequences, 0.4 of whole rows' FLOPs here; compiled for a v5p-8 at

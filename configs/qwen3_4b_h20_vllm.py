@@ -7,7 +7,12 @@
       --config.dataset.path=/data/longmemeval_rl_split_qa.json \
       --config.encoder.endpoint.base_url=http://127.0.0.1:8001/v1 \
       --config.rl.snapshots=/data/expert_states \
+      --config.reward.skip_calibration=/data/skip_calibration.json \
       --config.qa.answer.base_url=... --config.qa.judge_endpoint.base_url=...
+
+The served encoder (`encoder.kind="openai"`) has its own Semantic SKIP
+calibration: `tools/skip_calibration.py --config=configs/qwen3_4b_h20_vllm.py
+...` with the endpoint up writes it.
 """
 
 import ml_collections

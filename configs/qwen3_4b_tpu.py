@@ -7,9 +7,12 @@ Pallas splash-attention kernel (`policy.attention_impl="auto"` on TPU).
       --config.encoder.path=/ckpt/Qwen3-Embedding-0.6B \
       --config.dataset.path=/data/longmemeval_rl_split_qa.json \
       --config.rl.snapshots=/data/expert_states \
+      --config.reward.skip_calibration=/data/skip_calibration.json \
       --config.qa.answer.base_url=... --config.qa.judge_endpoint.base_url=...
 
-(`tools/build_expert_states.py` builds `/data/expert_states`;
+(`tools/build_expert_states.py` builds `/data/expert_states`,
+`tools/skip_calibration.py` the encoder's Semantic SKIP thresholds in
+`/data/skip_calibration.json`: without them the run refuses to start;
 `tools/rehearse.py` runs this command on a CPU with sizes, paths and
 endpoints changed.)
 

@@ -63,9 +63,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.rl.update({"max_steps": 10, "validation_sessions": 2,
                     "eval_every": 2, "log_rollouts": True})
   config.checkpoint.update({"keep": 1, "keep_period": 2})
+  # equal_budget_chars: the LookupChunk budget every policy's banks are
+  # evaluated at again (`eval_equal_budget`), besides the paper's 160,000:
+  # about three LoCoMo sessions of source turns (fixed before any
+  # evaluation at it was read).
   config.repro = ml_collections.ConfigDict({
       "locomo": "../shared/data/locomo/locomo10.json",
-      "teacher_dialogues": "0:8", "eval_dialogues": "8:10"})
+      "teacher_dialogues": "0:8", "eval_dialogues": "8:10",
+      "equal_budget_chars": 8000})
   # The evaluation job's sections (`cmimem_jax.evaluate`), local builder.
   evaluation = eval_cpu.get_config()
   config.evaluation = evaluation

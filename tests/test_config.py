@@ -164,9 +164,9 @@ def test_the_4b_hardware_configs_embed_the_same_query_text(tmp_path):
       encoder.client.embed = lambda batch: (  # noqa: E731
           texts.extend(batch), np.ones((len(batch), section.dim)))[1]
     else:
-      tokenize = encoder._tokenize
-      encoder._tokenize = lambda batch: (texts.extend(batch),  # noqa: E731
-                                         tokenize(batch))[1]
+      windows = encoder.windows
+      encoder.windows = lambda batch: (texts.extend(batch),  # noqa: E731
+                                       windows(batch))[1]
     encoder.encode(["When did Maya adopt Biscuit?"], kind="query")
     received[module.__name__] = texts
   first, second = received.values()

@@ -45,7 +45,8 @@ SIZES = {"dialogues", "limit", "max_steps", "batch", "layers", "length",
          "per_session", "conversations", "per_class", "sessions_per_batch",
          "num_rollouts", "max_new_tokens", "max_tokens", "checkpoint_step"}
 PATHS = {"workdir", "output", "input", "results", "out", "path", "data",
-         "init_checkpoint", "snapshots"}
+         "init_checkpoint", "snapshots", "expert_states", "skip_calibration",
+         "locomo", "table"}
 ENDPOINTS = {"base_url", "model", "port"}
 BUNDLED = "cmimem_jax/data/bundled/longmemeval_train_sample.json"
 LOCOMO = "../shared/data/locomo/locomo10.json"
@@ -92,11 +93,20 @@ COMMANDS: dict[str, str | NotRun] = {
     "python tools/build_expert_states.py --config=configs/qwen3_4b.py "
     "--config.dataset.path=* --config.encoder.path=* --output=* "
     "--base_url=* --model=*": "rehearsal:build_expert_states",
+    "python tools/synthesize_qa.py --input=* --output=* --base_url=* "
+    "--model=* --expert_states=* --per_session=* --max_tokens=* "
+    "--temperature=0.0 --concurrency=8 --timeout_s=120":
+        "rehearsal:synthesize_qa",
+    "python tools/skip_calibration.py --config=configs/qwen3_4b.py "
+    "--config.encoder.path=* --locomo=* --output=* --table=*":
+        "rehearsal:skip_calibration",
     "python -m cmimem_jax.train --config=configs/qwen3_4b_tpu.py "
-    "--config.rl.snapshots=* ...": "rehearsal:train",
+    "--config.rl.snapshots=* --config.dataset.path=* "
+    "--config.reward.skip_calibration=* ...": "rehearsal:train",
     "python -m cmimem_jax.train --config=configs/qwen3_4b_tpu.py --workdir=* "
     "--config.policy.path=* --config.encoder.path=* --config.dataset.path=* "
-    "--config.rl.snapshots=* --config.qa.answer.base_url=* "
+    "--config.rl.snapshots=* --config.reward.skip_calibration=* "
+    "--config.qa.answer.base_url=* "
     "--config.qa.judge_endpoint.base_url=*": "rehearsal:train",
     "python tools/make_sft_data.py --input=* --dialogues=* "
     "--max_prompt_tokens=* --output=*":
@@ -136,6 +146,7 @@ COMMANDS: dict[str, str | NotRun] = {
     "python -m cmimem_jax.train --config=configs/qwen3_4b_h20_vllm.py "
     "--workdir=* --config.policy.path=* --config.dataset.path=* "
     "--config.encoder.endpoint.base_url=* --config.rl.snapshots=* "
+    "--config.reward.skip_calibration=* "
     "--config.qa.answer.base_url=* --config.qa.judge_endpoint.base_url=*":
         NotRun("needs vLLM and 8 GPUs; the rehearsal runs the TPU config, "
                "which differs only in hardware fields",
@@ -526,7 +537,10 @@ def _fill(tmp_path) -> dict[str, str]:
   (tmp_path / "sft.jsonl").write_text("")
   return {"workdir": folder, "config.dataset.path": BUNDLED,
           "config.encoder.path": folder, "config.policy.path": folder,
-          "config.rl.snapshots": folder, "config.sft.data": str(
+          "config.rl.snapshots": folder,
+          "config.reward.skip_calibration": str(
+              tmp_path / "skip_calibration.json"),
+          "config.sft.data": str(
               tmp_path / "sft.jsonl"),
           "config.policy.init_checkpoint": folder,
           "config.builder.path": folder,

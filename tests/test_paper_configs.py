@@ -80,6 +80,8 @@ PAPER_TRAINING = {
     "rl.clip_ratio_c": (3.0, "MemBuilder's run: verl 0.4.0 dual-clip"),
     "rl.kl_clamp": (10.0, "MemBuilder's run: verl 0.4.0 low_var_kl"),
     "rl.grad_clip_norm": (1.0, "MemBuilder's run: verl 0.4.0"),
+    "rl.old_logprobs": ("learner", "MemBuilder's run: verl's on-policy "
+                        "old log-probs, one update per step"),
 }
 PAPER_EVALUATION = {
     "dataset.name": ("longmemeval", "§4.1"),
@@ -125,7 +127,9 @@ DEPARTURES = {
     "reward.entry_chars_low": "Length penalty",
     "reward.entry_chars_high": "Length penalty",
     "reward.length_reference": "Length penalty",
-    "reward.semantic_skip_threshold": "Semantic SKIP",
+    "reward.semantic_skip_cosine": "Semantic SKIP",
+    "reward.semantic_skip_coverage": "Semantic SKIP",
+    "reward.skip_calibration": "Semantic SKIP",
     "reward.entry_ratio_low": "Length penalty",
     "reward.entry_ratio_high": "Length penalty",
     "reward.entry_ratio_floor": "Length penalty",

@@ -29,13 +29,13 @@ SIZES = {
     "config.builder.endpoint.max_tokens", "config.answer.endpoint.max_tokens",
     "config.judge.endpoint.max_tokens", "config.qa.answer.max_tokens",
     "config.qa.judge_endpoint.max_tokens", "config.memory.chunk_budget_chars",
-    "config.builder.checkpoint_step",
+    "config.builder.checkpoint_step", "choose", "check",
 }
 PATHS = {
     "config.dataset.path", "config.encoder.path", "config.policy.path",
     "config.rl.snapshots", "config.builder.path",
     "config.builder.init_checkpoint", "workdir", "output", "input",
-    "results",
+    "results", "expert_states", "table", "config.reward.skip_calibration",
 }
 ENDPOINTS = {
     "config.qa.answer.base_url", "config.qa.answer.model",
@@ -64,6 +64,24 @@ def test_every_stage_runs_its_documented_command():
                                      strict=stage != "serve")
     assert built[0] == sys.executable
     assert not any("..." in word or "/ckpt/" in word for word in built), built
+
+
+def test_the_rehearsal_runs_the_recipe_in_readmes_order():
+  """README's recipe block: build_expert_states, synthesize_qa on its
+  states, skip_calibration, train; the rehearsal's stages in that order."""
+  with open(os.path.join(rehearse.REPO, "README.md")) as f:
+    readme = f.read()
+  block = readme[readme.index("python tools/build_expert_states.py"):]
+  block = block[:block.index("```")]
+  order = [stage for stage in ("build_expert_states", "synthesize_qa",
+                               "skip_calibration", "train")
+           if stage in rehearse.DOCUMENTED]
+  positions = [block.index(rehearse.DOCUMENTED[stage][1].split(" --")[0])
+               for stage in order]
+  assert positions == sorted(positions) and len(order) == 4
+  stages = rehearse.Rehearsal.STAGES
+  assert [s for s in stages if s in order] == order
+  assert "--expert_states=/data/expert_states" in block
 
 
 def test_a_documented_command_missing_a_path_fails_the_rehearsal():

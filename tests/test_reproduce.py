@@ -67,10 +67,10 @@ def test_stages_expand_in_pipeline_order_and_unknown_ones_are_refused():
   assert reproduce.parse_stages(["all"]) == [
       "teacher", "warm_start", "grpo", "grpo_qa_only", "grpo_cmi_only",
       "eval_initial", "eval_warm_start", "eval_rl", "eval_rl_qa_only",
-      "eval_rl_cmi_only", "report"]
+      "eval_rl_cmi_only", "eval_equal_budget", "report"]
   assert reproduce.parse_stages(["report", "evaluate", "teacher"]) == [
       "teacher", "eval_initial", "eval_warm_start", "eval_rl",
-      "eval_rl_qa_only", "eval_rl_cmi_only", "report"]
+      "eval_rl_qa_only", "eval_rl_cmi_only", "eval_equal_budget", "report"]
   with pytest.raises(app.UsageError, match="unknown stage 'grpo_qa'"):
     reproduce.parse_stages(["grpo_qa"])
 
@@ -79,6 +79,90 @@ def _records(scores: dict[str, tuple[str, float | None]]) -> dict:
   return {qid: {"question_id": qid, "category": category,
                 "context_recall": value, "evidence_recall": None}
           for qid, (category, value) in scores.items()}
+
+
+def _retrieved(dialogue: str, lists: list[list[str]], chars: int | None
+               ) -> dict[str, dict]:
+  return {f"{dialogue}:q{i}": {"question_id": f"{dialogue}:q{i}",
+                               "dialogue_id": dialogue, "retrieved": ids,
+                               **({} if chars is None else
+                                  {"context_chars": chars + i})}
+          for i, ids in enumerate(lists)}
+
+
+def test_a_policy_retrieving_one_list_for_most_questions_is_flagged():
+  """Round five's CMI-alone arm on conv-49: every question retrieved the
+  same list. Distinct lists and the most common list's share per
+  dialogue; more than half on one list is degenerate."""
+  same = [["e1", "e4", "e7"]] * 3 + [["e2"]]
+  varied = [["e1"], ["e2"], ["e3"], ["e1", "e2"]]
+  records = {"rl_cmi_only": {**_retrieved("conv-49", same, 150_000),
+                             **_retrieved("conv-50", varied, None)},
+             "rl": _retrieved("conv-49", varied, 900)}
+  rows = {(r["policy"], r["dialogue"]): r
+          for r in reproduce.retrieval_rows(records)}
+  flagged = rows["rl_cmi_only", "conv-49"]
+  assert (flagged["distinct_lists"], flagged["top_list_share"],
+          flagged["degenerate"]) == (2, 0.75, True)
+  assert flagged["mean_context_chars"] == 150_001.5
+  # Records written before context sizes were recorded: no size.
+  assert rows["rl_cmi_only", "conv-50"]["mean_context_chars"] is None
+  assert not rows["rl_cmi_only", "conv-50"]["degenerate"]
+  assert rows["rl", "conv-49"]["distinct_lists"] == 4
+  text = "\n".join(reproduce.retrieval_section(records, ""))
+  assert "| rl_cmi_only | conv-49 | 4 | 2 | 75% | 150,002 | **yes** |" in text
+  assert "| rl_cmi_only | conv-50 | 4 | 4 | 25% | — | no |" in text
+  assert "**Degenerate**" in text and "rl_cmi_only on conv-49." in text
+
+
+def test_the_equal_budget_stage_evaluates_the_same_banks_capped(
+    tmp_path, monkeypatch):
+  """`eval_equal_budget`: each evaluated policy's banks copied, evaluated
+  from the checkpoint its evaluation read with LookupChunk capped at
+  `repro.equal_budget_chars`; a policy already done is not redone; the
+  report adds the results at that budget."""
+  dialogues = [types.SimpleNamespace(dialogue_id=f"conv-{i}")
+               for i in range(10)]
+  monkeypatch.setattr(reproduce, "load_dataset", lambda *_: dialogues)
+  calls = []
+
+  def evaluate(config, directory):
+    calls.append((os.path.basename(directory),
+                  config.memory.chunk_budget_chars,
+                  config.builder.init_checkpoint,
+                  config.builder.checkpoint_step,
+                  sorted(os.listdir(os.path.join(directory, "banks",
+                                                 "policy")))))
+    with open(os.path.join(directory, "results.json"), "w") as f:
+      json.dump(_result(0.5, 0.0), f)
+    with open(os.path.join(directory, "settings.json"), "w") as f:
+      json.dump({"memory": config.memory.to_dict()}, f)
+    with open(os.path.join(directory, "predictions.jsonl"), "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in _retrieved(
+          "conv-8", [["e1"]] * 2, 8000).values())
+
+  monkeypatch.setattr(reproduce, "evaluate", evaluate)
+  config = small_repro.get_config()
+  assert config.evaluation.memory.chunk_budget_chars == 160_000
+  for policy, run, step in (("warm_start", "sft", 0), ("rl", "rl", 4)):
+    directory = tmp_path / "eval" / policy
+    MemoryBank("u", 4).save(str(directory / "banks" / "policy" / "conv-8"))
+    (directory / "results.json").write_text(json.dumps(_result(1.0, 0.0)))
+    (directory / "evaluated.json").write_text(json.dumps(
+        {"run": str(tmp_path / run), "step": step}))
+  reproduce.reproduce(config, str(tmp_path), ["eval_equal_budget"])
+  budget = config.repro.equal_budget_chars
+  assert calls == [("warm_start", budget, str(tmp_path / "sft"), 0,
+                    ["conv-8"]),
+                   ("rl", budget, str(tmp_path / "rl"), 4, ["conv-8"])]
+  reproduce.reproduce(config, str(tmp_path), ["eval_equal_budget"])
+  assert len(calls) == 2  # Done once; never recorded as a finished stage.
+  assert "eval_equal_budget" not in reproduce.StageRecord(
+      str(tmp_path)).done
+  text = reproduce.reproduce(config, str(tmp_path), ["report"])
+  assert f"## At a common LookupChunk budget ({budget:,} characters" in text
+  assert f"### Retrieval per dialogue ({budget:,} characters)" in text
+  assert "| rl | conv-8 | 2 | 1 | 100% | 8,000 | **yes** |" in text
 
 
 def test_paired_differences_pair_questions_and_leave_adversarial_out():

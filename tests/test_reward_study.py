@@ -114,19 +114,22 @@ def test_a_run_writes_intervals_auc_and_spearman(locomo_path, tmp_path):
 
 
 def test_skip_cases_are_built_as_stated(locomo_dialogues):
-  """Per session with user statements: the store before it (skipping is
-  wrong), plus the statements verbatim, plus LoCoMo's observations of the
-  user (both: skipping is right); the verbatim case is judged justified
-  and the not-stored one is not."""
-  from cmimem_jax.cmi.reward import RewardComputer
+  """Per session with user statements and observations of the user: the
+  store before it, plus half of those observations, plus as many of
+  another conversation's, plus all of them, plus the statements verbatim;
+  verbatim storage covers every statement (cosine 1), nothing stored
+  none."""
+  from cmimem_jax.cmi.reward import RewardComputer, RewardConfig
   from cmimem_jax.data.fragments import user_statements
-  dialogue = locomo_dialogues[0]
-  built = skip_calibration.cases(dialogue, ENCODER, memory_defaults())
+  dialogue, other = locomo_dialogues[0], locomo_dialogues[1]
+  built = skip_calibration.cases(dialogue, other, ENCODER, memory_defaults())
   by_session = {}
   for label, t, rollout in built:
     by_session.setdefault(t, {})[label] = rollout
+  assert all(set(r) <= set(skip_calibration.CLASSES)
+             for r in by_session.values())
   t, rollouts = next((t, r) for t, r in sorted(by_session.items())
-                     if t > 0 and len(r) == 3)
+                     if t > 0 and len(r) == 5)
   before = rollouts["not_stored"].bank
   semantic = lambda bank: [e.text for e in bank.entries(  # noqa: E731
       MemoryType.SEMANTIC)]
@@ -135,12 +138,37 @@ def test_skip_cases_are_built_as_stated(locomo_dialogues):
   observed = skip_calibration.user_observations(dialogue, dialogue.sessions[t])
   assert observed and semantic(rollouts["paraphrased"].bank) == (
       semantic(before) + observed)
+  assert semantic(rollouts["partial"].bank) == (semantic(before)
+                                                + observed[::2])
+  foreign = {text for s in other.sessions
+             for text in skip_calibration.user_observations(other, s)}
+  unrelated = semantic(rollouts["unrelated"].bank)[len(semantic(before)):]
+  assert len(unrelated) == len(observed) and set(unrelated) <= foreign
   assert rollouts["not_stored"].response.valid
-  terms = RewardComputer(ENCODER)([rollouts["verbatim"],
-                                   rollouts["not_stored"]])
-  assert terms[0].semantic_skip_rho == pytest.approx(0.0, abs=1e-3)
+  terms = RewardComputer(ENCODER, RewardConfig(
+      semantic_skip_cosine=0.99, semantic_skip_coverage=1.0))(
+          [rollouts["verbatim"], rollouts["not_stored"]])
+  assert min(terms[0].semantic_skip_statement_cosines) > 0.999
   assert terms[0].semantic_skip_justified is True
   assert terms[1].semantic_skip_justified is False
+
+
+def test_the_coverage_rule_is_chosen_on_paraphrases_against_negatives():
+  """The cosine whose coverage separates paraphrased storage from the
+  negatives best, then the coverage threshold of max Youden's J."""
+  records = [{"class": label, "statement_cosines": cosines}
+             for label, cosines in (
+                 ("not_stored", [0.3, 0.2, 0.1]), ("unrelated", [0.4, 0.3]),
+                 ("partial", [0.8, 0.3, 0.2]), ("paraphrased", [0.8, 0.7, 0.2]),
+                 ("paraphrased", [0.9, 0.75, 0.7]),
+                 ("verbatim", [1.0, 1.0, 1.0]))]
+  cosine, coverage = skip_calibration.choose_rule(records)
+  # From 0.35 (the first such cosine of the grid) the paraphrases cover
+  # 2/3 and 1 of their statements, the negatives at most 1/2: separated.
+  assert cosine == 0.35 and 1 / 2 < coverage < 2 / 3
+  scores = skip_calibration.coverages(records, cosine)
+  assert skip_calibration.separation(records, scores, "paraphrased",
+                                     skip_calibration.NEGATIVE) == 1.0
 
 
 def test_the_threshold_maximises_youden_and_takes_the_smallest_tie():
@@ -159,19 +187,3 @@ def test_the_calibration_refuses_held_out_conversations(tmp_path):
   with pytest.raises(ValueError, match="training conversations"):
     skip_calibration.run(study_config.get_config(), str(tmp_path), "0:5",
                          "5:8")
-
-
-def test_poolings_of_the_statements_rho_are_compared_by_auc():
-  # Paraphrased storage covering all but one novel statement: the largest
-  # ρ cannot tell it from nothing stored; the fraction of novel statements
-  # can.
-  records = [{"class": label, "statement_rho": rho} for label, rho in (
-      ("not_stored", [0.9, 0.8, 0.7]), ("not_stored", [0.9, 0.6, 0.5]),
-      ("verbatim", [0.0, 0.0, 0.0]), ("verbatim", []),
-      ("paraphrased", [0.9, 0.1, 0.1]), ("paraphrased", [0.95, 0.2, 0.0]))]
-  aucs = skip_calibration.pooling_aucs(records, threshold=0.5)
-  assert aucs["largest"] == {"verbatim": 1.0, "paraphrased": 0.25}
-  assert aucs["fraction novel"] == {"verbatim": 1.0, "paraphrased": 1.0}
-  assert aucs["mean"]["paraphrased"] == 1.0
-  pool = skip_calibration.poolings(0.5)
-  assert all(f(np.zeros(0)) == 0.0 for f in pool.values())

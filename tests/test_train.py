@@ -15,6 +15,7 @@ import pytest
 
 from cmimem_jax.cmi.logprob import profile_messages
 from cmimem_jax.cmi.reward import RewardComputer, RewardConfig, RolloutInput
+from cmimem_jax.cmi.skip_table import calibrated
 from cmimem_jax.config import ConfigError, apply_overrides
 from cmimem_jax.evaluation.answering import MemoryContext
 from cmimem_jax.evaluation.judges import context_recall
@@ -91,8 +92,11 @@ class ScriptedEngine:
 
 def test_logged_reward_terms_equal_direct_computation(tmp_path):
   config = tiny_config(**{"rl.max_steps": 1, "reward.alpha": 0.5,
-                           "rl.log_rollouts": True})
+                           "rl.log_rollouts": True, "rl.weight_decay": 0.05})
   loop = Trainer(config, str(tmp_path))
+  # The rl section reaches the optimizer (its effect: test_trainer's
+  # test_weight_decay_reaches_the_optimizer).
+  assert loop.learner.config.optimizer.weight_decay == 0.05
   loop.policy.engine = ScriptedEngine(loop.policy.tokenizer)
   batches = []
   learner_step = loop.learner.step
@@ -127,8 +131,8 @@ def test_logged_reward_terms_equal_direct_computation(tmp_path):
           counts[types[i]] = counts.get(types[i], 0) + 1
     rollouts.append(RolloutInput(episode.bank, episode.session.format(),
                                  response, float(qa), counts))
-  terms = RewardComputer(loop.encoder, RewardConfig.from_config(
-      config.reward))(rollouts)
+  terms = RewardComputer(loop.encoder, calibrated(RewardConfig.from_config(
+      config.reward), config.encoder))(rollouts)
   for name in ("cmi", "qa", "total", "reward", "length_factor",
                "intra_duplicate_factor", "semantic_skip_bonus"):
     want = np.mean([getattr(t, name) for t in terms])
@@ -145,7 +149,8 @@ def test_logged_reward_terms_equal_direct_computation(tmp_path):
   assert [r["session"] for r in records] == [
       s for s in metrics["sessions"] for _ in range(group)]
   skips = [r for r in records if r["semantic_skip"]]
-  assert skips and all(isinstance(r["semantic_skip_statement_rhos"], tuple)
+  assert skips and all(isinstance(r["semantic_skip_statement_cosines"],
+                                  tuple)
                        and r["semantic_skip_justified"] in (0.0, 1.0)
                        for r in skips)
   assert metrics["reward/qa"] > 0 and metrics["reward/cmi"] != 0
@@ -171,6 +176,17 @@ def test_bad_training_config_is_reported_before_work(tmp_path):
   message = str(error.value)
   assert "must be >= rl.curriculum_tiers=4" in message
   assert "must divide into rl.micro_batches=1 x 2 data shards" in message
+
+
+def test_an_encoder_without_a_skip_calibration_refuses_to_train(tmp_path):
+  """The Semantic SKIP thresholds are the encoder's own: with none in the
+  calibration table, training stops before anything loads, naming the
+  tool that makes them."""
+  config = tiny_config(**{"encoder.dim": 48})
+  with pytest.raises(ConfigError, match="no Semantic SKIP calibration for "
+                     "encoder .*'dim': 48.*tools/skip_calibration.py"):
+    Trainer(config, str(tmp_path))
+  assert not os.path.exists(tmp_path / "checkpoints")
 
 
 def test_crash_between_checkpoints_then_resume_with_a_snapshot_refresh(
@@ -205,6 +221,10 @@ def test_crash_between_checkpoints_then_resume_with_a_snapshot_refresh(
   assert [m["step"] for m in crashed] == [1, 2, 3]
   for m in crashed:
     assert np.isfinite(m["loss"]) and "reward/cmi" in m and "kl" in m
+    # The JAX sampler's rollouts, on-policy old log-probs: ratio 1 on
+    # every token; the sampler/learner gap is logged.
+    assert m["ratio_deviation_max"] == 0.0
+    assert 0 <= m["logprob_gap"] <= m["logprob_gap_max"] < 1e-3
     assert len(m["sessions"]) == 5
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
   assert [m["snapshot_version"] for m in crashed] == [0, 0, 0]
@@ -291,24 +311,40 @@ def test_vllm_engine_receives_the_restored_weights(tmp_path, monkeypatch):
 
   monkeypatch.setattr(loop_module, "import_vllm", lambda: None)
   monkeypatch.setattr(loop_module, "VLLMEngine", StandInVLLM)
+  recomputed = []
+  recompute = loop_module.recompute_logprobs
+  monkeypatch.setattr(loop_module, "recompute_logprobs", lambda *args: (
+      recomputed.append(1), recompute(*args))[1])
   overrides = {"rl.max_steps": 1, "rollout.engine": "vllm"}
   first = Trainer(tiny_config(**overrides), str(tmp_path))
+  assert first.config.rl.old_logprobs == "learner"
   initial = np.asarray(jax.device_get(
       first.learner.params["embed"]))
-  first.run()
+  (metrics,) = first.run()
   trained = np.asarray(jax.device_get(
       first.learner.params["embed"]))
   assert not np.array_equal(initial, trained)
+  # On-policy old log-probs (the default): no separate forward, ratio 1 on
+  # every token, and the engine's log-probs (0 here: far from the
+  # policy's) logged as the mismatch.
+  assert not recomputed and "sampler_trainer_logprob_gap" not in metrics
+  assert metrics["ratio_deviation_max"] == 0.0
+  assert metrics["logprob_gap"] > 1 and metrics["rollout_probs_diff_max"] > 0
+  assert metrics["vllm_weight_push"] == "load_weights"
 
-  resumed = Trainer(tiny_config(**{**overrides, "rl.max_steps": 2}),
+  # "sampler" (several updates per step) recomputes them in JAX first.
+  resumed = Trainer(tiny_config(**{**overrides, "rl.max_steps": 2,
+                                   "rl.old_logprobs": "sampler"}),
                     str(tmp_path))
   assert resumed.resumed_from == 1
   engine = resumed.policy.engine
   assert len(engine.pushed) == 1  # Pushed once, before any rollout.
   np.testing.assert_array_equal(engine.pushed[0], trained)
   metrics = resumed.run()[0]
+  assert recomputed == [1]
   assert metrics["vllm_weight_push"] == "load_weights"
-  assert metrics["sampler_trainer_logprob_gap"] >= 0
+  assert metrics["sampler_trainer_logprob_gap"] > 1
+  assert metrics["logprob_gap"] < 1e-4  # Against the recomputed ones.
 
 
 def test_logprob_estimator_scores_with_the_frozen_reference(tmp_path):

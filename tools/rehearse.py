@@ -16,8 +16,12 @@ SmolLM2's: a tokenizer mix-up fails), our own server
 OpenAI-compatible endpoint for the teacher, the QA synthesizer and the
 judge, whose formats a tiny model cannot write.
 
-Stages: standins -> serve -> synthesize_qa -> build_expert_states -> train
-(SIGTERM in the middle of step 1, then the same command resumes; the
+Stages, in the recipe's order (README): standins -> serve ->
+build_expert_states (from the QA-less records) -> synthesize_qa (each
+session's questions on its expert state, `--expert_states`) ->
+skip_calibration (the Semantic SKIP thresholds of the stand-in encoder, in
+the rehearsal's own table: its identity is the real Qwen3-Embedding's) ->
+train (SIGTERM in the middle of step 1, then the same command resumes; the
 metrics hold steps 1..N once each) -> evaluate (at a kept checkpoint step,
 the LLM judge; no transport failures) -> compare_paper. One line per stage,
 then a table; the exit status is non-zero and names the first stage that
@@ -60,10 +64,13 @@ KEPT_STEP = 2  # checkpoint.keep_period: the step evaluation selects.
 # (file, the command's first words).
 DOCUMENTED = {
     "serve": ("cmimem_jax/serve.py", "python -m cmimem_jax.serve"),
-    "synthesize_qa": ("tools/synthesize_qa.py",
-                      "python tools/synthesize_qa.py"),
     "build_expert_states": ("tools/build_expert_states.py",
                             "python tools/build_expert_states.py"),
+    "synthesize_qa": ("tools/synthesize_qa.py",
+                      "python tools/synthesize_qa.py"),
+    "skip_calibration": ("tools/skip_calibration.py",
+                         "python tools/skip_calibration.py "
+                         "--config=configs/qwen3_4b.py"),
     "train": ("configs/qwen3_4b_tpu.py", "python -m cmimem_jax.train"),
     "evaluate": ("configs/eval_qwen3_4b.py",
                  "python -m cmimem_jax.evaluate"),
@@ -80,19 +87,32 @@ CHECKPOINTS = {
     # The bundled sample's ids are in none of LongMemEval's partitions.
     "config.dataset.split": "all",
 }
+# The Semantic SKIP calibration table the stand-in encoder's thresholds go
+# to (never the packaged one: the stand-in has the real encoder's identity).
+SKIP_TABLE = "{work}/skip_calibration.json"
 RECIPE_OVERRIDES: dict[str, dict[str, object]] = {
-    "synthesize_qa": {
-        "input": BUNDLED, "output": "{work}/data/rl_qa.json",
+    "build_expert_states": {
+        # From the QA-less records: synthesize_qa asks on these states.
+        **CHECKPOINTS, "config.dataset.path": BUNDLED,
+        "output": "{work}/expert_states",
         "base_url": "{scripted}", "model": "scripted",
     },
-    "build_expert_states": {
-        **CHECKPOINTS, "output": "{work}/expert_states",
+    "synthesize_qa": {
+        "input": BUNDLED, "output": "{work}/data/rl_qa.json",
+        "expert_states": "{work}/expert_states",
         "base_url": "{scripted}", "model": "scripted",
+    },
+    "skip_calibration": {
+        "config.encoder.path": CHECKPOINTS["config.encoder.path"],
+        "output": "{work}/skip_calibration", "table": SKIP_TABLE,
+        # One LoCoMo conversation to choose on, one to check on.
+        "choose": "0:1", "check": "1:2",
     },
     "train": {
         **CHECKPOINTS, "workdir": "{work}/train",
         "config.policy.path": "{work}/checkpoints/policy",
         "config.rl.snapshots": "{work}/expert_states",
+        "config.reward.skip_calibration": SKIP_TABLE,
         "config.qa.answer.base_url": "{serve}",
         "config.qa.answer.model": "cmimem-local",
         "config.qa.judge_endpoint.base_url": "{scripted}",
@@ -320,6 +340,12 @@ class Rehearsal:
     return ", ".join(f"{k} {v}" for k, v in counts.items()
                      if k not in ("output",) and not isinstance(v, dict))
 
+  def skip_calibration(self) -> str:
+    entry = json.loads(_run(self._command("skip_calibration"),
+                            self._log("skip_calibration"), self.env))
+    return (f"cosine >= {entry['semantic_skip_cosine']}, coverage >= "
+            f"{entry['semantic_skip_coverage']:.3f} in {entry['table']}")
+
   def serve_ready(self, timeout_s: float = 300) -> str:
     health = self.fill["serve"].removesuffix("/v1") + "/health"
     deadline = time.monotonic() + timeout_s
@@ -425,12 +451,15 @@ class Rehearsal:
           except subprocess.TimeoutExpired:
             os.killpg(self.server.pid, signal.SIGKILL)
 
+  # The stages in the recipe's order (README), each run by the method of
+  # its name ("serve": `serve_start`).
+  STAGES = ("standins", "serve", "build_expert_states", "synthesize_qa",
+            "skip_calibration", "serve_ready", "train", "evaluate",
+            "compare_paper")
+
   def run(self) -> int:
-    plan = [("standins", self.standins), ("serve", self.serve_start),
-            ("synthesize_qa", self.synthesize_qa),
-            ("build_expert_states", self.build_expert_states),
-            ("serve_ready", self.serve_ready), ("train", self.train),
-            ("evaluate", self.evaluate), ("compare_paper", self.compare_paper)]
+    plan = [(name, getattr(self, "serve_start" if name == "serve" else name))
+            for name in self.STAGES]
     started = time.monotonic()
     with self._endpoints():
       for name, body in plan:

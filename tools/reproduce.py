@@ -24,8 +24,18 @@ several invocations:
 - `eval_initial`, `eval_warm_start`, `eval_rl`, `eval_rl_qa_only`,
   `eval_rl_cmi_only`: `DIR/eval/<policy>/`, `cmimem_jax.evaluate` with `method=policy` on
   `repro.eval_dialogues`.
+- `eval_equal_budget`: `DIR/eval_budget/<policy>/`, every evaluated
+  policy's banks (copied, never rebuilt) evaluated again with the
+  LookupChunk budget capped at `repro.equal_budget_chars` for every
+  policy alike: with the paper's 160,000 characters a bank whose entries
+  point at every session hands every question the same large context,
+  and context / evidence recall then measure context size, not memory.
+  Not recorded as finished: a rerun evaluates the policies evaluated
+  since.
 - `report`: `DIR/RESULTS.md` (split, per-category table, paired
-  differences with intervals, the arms side by side, every stage's
+  differences with intervals, per dialogue and policy the distinct
+  retrieved lists and mean context size with degenerate policies flagged,
+  the same at the common budget, the arms side by side, every stage's
   wall time) and `DIR/*.png`, from whatever has been evaluated so far.
   With `--pool=DIR2,...` (the same config run with other seeds,
   `--config.seed=1`), it adds each seed's differences and their
@@ -106,8 +116,14 @@ POLICIES = {"initial": Policy(),
                                   1.0)}
 # The GRPO arms, all from the warm start.
 ARMS = {name: policy for name, policy in POLICIES.items() if policy.arm}
+EQUAL_BUDGET = "eval_equal_budget"
 STAGES = ("teacher", *(p.stage for p in POLICIES.values() if p.stage),
-          *(f"eval_{p}" for p in POLICIES), "report")
+          *(f"eval_{p}" for p in POLICIES), EQUAL_BUDGET, "report")
+# Where `EQUAL_BUDGET` evaluates, under DIR.
+EQUAL_BUDGET_DIR = "eval_budget"
+# A policy retrieving one list for more than this share of a dialogue's
+# questions answers them all from the same context: degenerate.
+DEGENERATE_SHARE = 0.5
 # What an evaluation directory records of the checkpoint it evaluated.
 EVALUATED_FILE = "evaluated.json"
 # Paired comparisons reported with intervals: (policy, baseline).
@@ -438,9 +454,9 @@ def pooled_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def _eval_dirs(workdir: str) -> dict[str, str]:
-  """policy -> its evaluation directory under `workdir`."""
-  return {p: os.path.join(workdir, "eval", p) for p in POLICIES}
+def _eval_dirs(workdir: str, under: str = "eval") -> dict[str, str]:
+  """policy -> its evaluation directory under `workdir/under`."""
+  return {p: os.path.join(workdir, under, p) for p in POLICIES}
 
 
 def _evaluated_records(eval_dirs: dict[str, str]
@@ -653,13 +669,77 @@ def plot_sweep(rows: list[dict], directory: str) -> str:
 
 
 def _eval_config(config, init_checkpoint: str, checkpoint_step: int,
-                 start: int, dialogues: int):
+                 start: int, dialogues: int, chunk_budget: int | None = None):
+  """The evaluation job of a policy; `chunk_budget`: LookupChunk's
+  characters instead of the config's."""
   evaluation = copy.deepcopy(config.evaluation)
   evaluation.dataset.update({"name": "locomo", "path": config.repro.locomo,
                              "start": start, "dialogues": dialogues})
   evaluation.builder.update({"init_checkpoint": init_checkpoint,
                              "checkpoint_step": checkpoint_step})
+  if chunk_budget is not None:
+    evaluation.memory.chunk_budget_chars = chunk_budget
   return evaluation
+
+
+def retrieval_rows(records: dict[str, dict[str, dict]]) -> list[dict]:
+  """Per policy and dialogue: questions, distinct retrieved lists (the
+  ranked entry ids of each question's context), the share of questions
+  given the most common one, the mean context size in characters (None
+  for records from before it was recorded) and whether the policy is
+  degenerate there (one list for more than `DEGENERATE_SHARE`).
+
+  Args:
+    records: policy -> question id -> evaluation record.
+  """
+  rows = []
+  for policy, by_question in records.items():
+    dialogues: dict[str, list[dict]] = {}
+    for record in by_question.values():
+      dialogues.setdefault(record.get("dialogue_id", "?"), []).append(record)
+    for dialogue, group in sorted(dialogues.items()):
+      lists = [tuple(r.get("retrieved", ())) for r in group]
+      top = max(lists.count(x) for x in set(lists)) / len(lists)
+      sizes = [r["context_chars"] for r in group if "context_chars" in r]
+      rows.append({"policy": policy, "dialogue": dialogue,
+                   "questions": len(group), "distinct_lists": len(set(lists)),
+                   "top_list_share": top,
+                   "mean_context_chars": (float(np.mean(sizes)) if sizes
+                                          else None),
+                   "degenerate": top > DEGENERATE_SHARE})
+  return rows
+
+
+def retrieval_table(rows: list[dict]) -> str:
+  lines = ["| policy | dialogue | questions | distinct retrieved lists | "
+           "questions on the most common list | mean context (chars) | "
+           "degenerate |", "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    size = ("—" if r["mean_context_chars"] is None
+            else f"{r['mean_context_chars']:,.0f}")
+    lines.append(f"| {r['policy']} | {r['dialogue']} | {r['questions']} | "
+                 f"{r['distinct_lists']} | {r['top_list_share']:.0%} | "
+                 f"{size} | {'**yes**' if r['degenerate'] else 'no'} |")
+  return "\n".join(lines)
+
+
+def retrieval_section(records: dict[str, dict[str, dict]], title: str
+                      ) -> list[str]:
+  """RESULTS.md lines: `retrieval_table` and a warning naming each
+  degenerate (policy, dialogue)."""
+  rows = retrieval_rows(records)
+  if not rows:
+    return []
+  lines = [f"### Retrieval per dialogue{title}", "", retrieval_table(rows), ""]
+  degenerate = [f"{r['policy']} on {r['dialogue']}" for r in rows
+                if r["degenerate"]]
+  if degenerate:
+    lines += [f"**Degenerate** (one retrieved list for more than "
+              f"{DEGENERATE_SHARE:.0%} of the questions: every question "
+              "read the same context, so recall there measures the "
+              "context's size, not the memory): "
+              f"{', '.join(degenerate)}.", ""]
+  return lines
 
 
 def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
@@ -742,6 +822,29 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
 
   for policy in POLICIES:
     runs[f"eval_{policy}"] = functools.partial(evaluate_policy, policy)
+  budget_dirs = _eval_dirs(workdir, EQUAL_BUDGET_DIR)
+
+  def evaluate_at_equal_budget() -> None:
+    for policy, directory in eval_dirs.items():
+      target = budget_dirs[policy]
+      if os.path.exists(os.path.join(target, "results.json")) or not (
+          os.path.exists(os.path.join(directory, "results.json"))):
+        continue
+      if not os.path.exists(os.path.join(directory, EVALUATED_FILE)):
+        print(f"{policy}: its evaluation records no checkpoint "
+              f"({EVALUATED_FILE}): not evaluated at the common budget")
+        continue
+      with open(os.path.join(directory, EVALUATED_FILE)) as f:
+        evaluated = json.load(f)
+      banks = os.path.join(directory, "banks")
+      if os.path.isdir(banks) and not os.path.exists(
+          os.path.join(target, "banks")):
+        shutil.copytree(banks, os.path.join(target, "banks"))
+      print(f"{policy}: evaluating its banks with LookupChunk capped at "
+            f"{repro.equal_budget_chars:,} characters", flush=True)
+      evaluate(_eval_config(config, evaluated["run"], evaluated["step"],
+                            start_index, len(held_out),
+                            repro.equal_budget_chars), target)
 
   def finished(stage: str) -> dict[str, float]:
     # An arm's evaluation reads the run its sweep picked, which may live in
@@ -753,6 +856,9 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
 
   text = None
   for stage in stages:
+    if stage == EQUAL_BUDGET:
+      evaluate_at_equal_budget()
+      continue
     if stage == "report":
       text = report(workdir, teachers, held_out, record.done, eval_dirs,
                     evaluated_dirs(), period, pool, command,
@@ -861,7 +967,10 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
               f"{evaluated_checkpoints(eval_dirs)}.", "",
               "## Paired differences (95% bootstrap intervals over "
               "questions, adversarial left out)", "",
-              differences_table(differences), ""]
+              differences_table(differences), "",
+              *retrieval_section(records, " (the paper's LookupChunk "
+                                 "budget)")]
+    lines += equal_budget_section(workdir)
   else:
     lines += ["No policy evaluated yet (`--stages=evaluate,report`).", ""]
   if pool:
@@ -889,6 +998,33 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
             *[f"| {k} | {v} |" for k, v in wall.items()], ""]
   # Ends in a blank line: the sweep / compare sections follow it.
   return "\n".join(lines) + "\n"
+
+
+def equal_budget_section(workdir: str) -> list[str]:
+  """RESULTS.md lines for the `EQUAL_BUDGET` evaluations: the per-category
+  table, the paired differences and the retrieval per dialogue, every
+  policy's contexts capped alike (also `differences_equal_budget.json`)."""
+  eval_dirs = _eval_dirs(workdir, EQUAL_BUDGET_DIR)
+  results = {}
+  for policy, directory in eval_dirs.items():
+    path = os.path.join(directory, "results.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        results[policy] = json.load(f)
+  if not results:
+    return []
+  with open(os.path.join(eval_dirs[next(iter(results))],
+                         "settings.json")) as f:
+    budget = json.load(f)["memory"]["chunk_budget_chars"]
+  records = _evaluated_records(eval_dirs)
+  differences = paired_differences(records)
+  with open(os.path.join(workdir, "differences_equal_budget.json"),
+            "w") as f:
+    json.dump(differences, f, indent=1)
+  return [f"## At a common LookupChunk budget ({budget:,} characters for "
+          "every policy; the same banks)", "", results_table(results), "",
+          differences_table(differences), "",
+          *retrieval_section(records, f" ({budget:,} characters)")]
 
 
 def compare_report(workdir: str, other: str, eval_dirs: dict[str, str]

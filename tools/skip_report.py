@@ -11,8 +11,11 @@ split by what the semantic-SKIP judgement weighs (`user_statements`):
   states nothing    the user only asks (common-knowledge questions): a
                     SKIP is justified (App. B), ρ = 0;
   states something  the user states facts: a SKIP is justified only when
-                    the store already holds them (ρ below
-                    `reward.semantic_skip_threshold`).
+                    the semantic store already covers them (their share
+                    covered, `semantic_skip_coverage`, at least the
+                    encoder's calibrated `reward.semantic_skip_coverage`;
+                    runs before 2026-12-07 logged ρ, the largest CMI of
+                    a statement, justified below 0.232).
 
 Prints, per run and pooled, the rollouts, semantic SKIPs and SKIPs judged
 justified of each kind (as logged by the reward, never recomputed), over
@@ -61,8 +64,9 @@ def session_kinds(dialogues: Iterable[Dialogue]) -> dict[str, str]:
 def skip_counts(records: Iterable[dict[str, Any]], kinds: dict[str, str]
                 ) -> dict[str, dict[str, float]]:
   """Per kind: `rollouts`, `skips` (semantic SKIPs), `justified` (of those
-  judged justified) and `skip_rho_mean` (the ρ the judgement compared,
-  mean over the SKIPs; None without SKIPs)."""
+  judged justified) and `skip_rho_mean` (the score the judgement
+  compared: coverage, or ρ in runs logged before the coverage rule; mean
+  over the SKIPs; None without SKIPs)."""
   rows: dict[str, dict[str, Any]] = {
       kind: {"rollouts": 0, "skips": 0, "justified": 0, "rhos": []}
       for kind in KINDS}
@@ -72,7 +76,9 @@ def skip_counts(records: Iterable[dict[str, Any]], kinds: dict[str, str]
     if record.get("semantic_skip"):
       row["skips"] += 1
       row["justified"] += int(record["semantic_skip_justified"])
-      row["rhos"].append(record["semantic_skip_rho"])
+      row["rhos"].append(record["semantic_skip_coverage"]
+                         if "semantic_skip_coverage" in record
+                         else record["semantic_skip_rho"])
   for row in rows.values():
     rhos = row.pop("rhos")
     row["skip_rho_mean"] = sum(rhos) / len(rhos) if rhos else None
@@ -98,7 +104,8 @@ def run_kinds(workdir: str) -> dict[str, str]:
 def markdown(counts: dict[str, dict[str, dict[str, float]]]) -> str:
   """The table: a row per (run, kind)."""
   lines = ["| run | session kind | rollouts | semantic SKIPs | judged "
-           "justified | mean ρ of the SKIPs |", "|---|---|---|---|---|---|"]
+           "justified | mean score of the SKIPs (coverage; ρ before 2026-12-07) "
+           "|", "|---|---|---|---|---|---|"]
   for run, rows in counts.items():
     for kind in KINDS:
       row = rows[kind]

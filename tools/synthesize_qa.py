@@ -2,11 +2,18 @@
 MemBuilder protocol: single-session, multi-session and temporal questions).
 
   python tools/synthesize_qa.py --input=DATA.json --output=DATA_qa.json \
-      --base_url=http://127.0.0.1:8000/v1 --model=NAME [--per_session=5] \
-      [--max_tokens=1024] [--expert_states=DIR] [--temperature=T]
+      --base_url=http://127.0.0.1:8000/v1 --model=NAME --expert_states=DIR \
+      --per_session=5 --max_tokens=1024 --temperature=0.0 --concurrency=8 \
+      --timeout_s=120
 
-Reads LongMemEval-format records, asks an OpenAI-compatible chat model for
-`--per_session` QA pairs about each session (each answer at most
+The recipe's form (README; `tools/rehearse.py` runs it as written, with its
+own paths and endpoints): the expert states are built first
+(`tools/build_expert_states.py`, from the QA-less records), and every
+flag after them shows its default (`--temperature`: 0.0 with
+`--expert_states`, MemBuilder's; 0.7 without).
+
+Reads LongMemEval-format records, asks an OpenAI-compatible chat model
+for `--per_session` QA pairs about each session (each answer at most
 `--max_tokens` tokens: keep it within the server's own cap, e.g. 512 for
 `configs/serve_cpu.py`, or every call is refused), and writes the records
 with a `session_qa` field (`{session_id: [{question, answer, type}]}`) to

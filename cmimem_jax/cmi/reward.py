@@ -99,12 +99,18 @@ class RewardConfig:
   core_specificity_weight: float = 0.3
   generic_core_patterns: tuple[str, ...] = DEFAULT_GENERIC_CORE_PATTERNS
   semantic_skip_bonus: float = 0.1
-  # A semantic SKIP is justified below this ρ (the largest of
-  # `_semantic_skip_statement_rhos`):
-  # chosen on LoCoMo training conversations with all-MiniLM-L6-v2 by
-  # tools/skip_calibration.py (RESULTS.md "Semantic SKIP calibration");
-  # another encoder needs its own run.
-  semantic_skip_threshold: float = 0.232
+  # A semantic SKIP is justified when the session's user statements are
+  # covered by the semantic store: at least `semantic_skip_coverage` of
+  # them have a stored entry at cosine >= `semantic_skip_cosine` (their
+  # nearest neighbour), or the user states nothing. Both are the encoder's
+  # own, chosen by tools/skip_calibration.py on LoCoMo training
+  # conversations (RESULTS.md "Semantic SKIP calibration") and read from
+  # the table `skip_calibration` names ("": the packaged one) by
+  # `skip_table.calibrated`; None = not calibrated (no SKIP can be judged,
+  # and training refuses to start).
+  semantic_skip_cosine: float | None = None
+  semantic_skip_coverage: float | None = None
+  skip_calibration: str = ""
   attribution_weight: float = 4.0
 
   def __post_init__(self):
@@ -136,6 +142,19 @@ class RewardConfig:
     if self.chars_per_token <= 0 or self.entry_min_diff_tokens < 0:
       raise ValueError("chars_per_token must be > 0 and "
                        "entry_min_diff_tokens >= 0")
+    if (self.semantic_skip_cosine is None) != (
+        self.semantic_skip_coverage is None):
+      raise ValueError("semantic_skip_cosine and semantic_skip_coverage are "
+                       "set together (a calibration) or not at all")
+    if self.semantic_skip_cosine is not None and not (
+        0 < self.semantic_skip_cosine <= 1
+        and 0 <= self.semantic_skip_coverage <= 1):
+      raise ValueError("need 0 < semantic_skip_cosine <= 1 and 0 <= "
+                       "semantic_skip_coverage <= 1")
+
+  @property
+  def skip_calibrated(self) -> bool:
+    return self.semantic_skip_cosine is not None
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> RewardConfig:
@@ -231,19 +250,29 @@ def relative_excess(chars: int, expert_chars: int,
   return float(min(1.0, excess))
 
 
+# The expert response of a session that a run with fixed expert states has
+# none for (each dialogue's last session, whose next state is never built;
+# a session whose teacher response was rejected): scored as MemBuilder's
+# reward scores a sample without `expert_output` (reward_function.py
+# L1043-1048: no entry-type penalty; the core by its band), not by the
+# absolute band, so one run's sessions share one formula.
+NO_EXPERT_RESPONSE = ParsedResponse("", (), ())
+
+
 def length_penalty(response: ParsedResponse, expert: ParsedResponse | None,
                    config: RewardConfig) -> float:
   """ℓ(M) of Eq. 15 for a valid response.
 
-  With `length_reference="expert"` and the session's expert response
-  known: MemBuilder's per-agent penalty averaged over the four agents (our
-  one rollout is MemBuilder's four agent responses, and the mean of their
-  rewards `r(1 - λ ℓ_τ)` is `r(1 - λ mean ℓ_τ)`; its `_compute_length_
-  penalty`, L426-474, averages the same four): core by the absolute token
-  band on what it writes (L1031-1040), each entry type by
-  `relative_excess`. Otherwise (no expert states, an invalid expert
-  response, or "absolute"): the mean over the writing operations of
-  `length_excess` (characters 300-900 for entries).
+  With `length_reference="expert"` and an expert response (a run with
+  fixed expert states; `NO_EXPERT_RESPONSE` for a session the teacher did
+  not answer): MemBuilder's per-agent penalty averaged over the four
+  agents (our one rollout is MemBuilder's four agent responses, and the
+  mean of their rewards `r(1 - λ ℓ_τ)` is `r(1 - λ mean ℓ_τ)`; its
+  `_compute_length_penalty`, L426-474, averages the same four): core by
+  the absolute token band on what it writes (L1031-1040), each entry type
+  by `relative_excess` (0 where the expert wrote nothing). Otherwise (a
+  run without expert states, or "absolute"): the mean over the writing
+  operations of `length_excess` (characters 300-900 for entries).
   """
   if config.length_reference == "expert" and expert is not None:
     chars = written_chars(response)
@@ -256,6 +285,14 @@ def length_penalty(response: ParsedResponse, expert: ParsedResponse | None,
   return (float(np.mean([length_excess(len(op.new_text), op.memory_type,
                                        config) for op in writes]))
           if writes else 0.0)
+
+
+def skip_coverage(statement_cosines: np.ndarray, cosine: float) -> float:
+  """The share of statements `[U]` whose nearest semantic entry is at
+  cosine >= `cosine` (1.0 for none: the user states nothing)."""
+  if not len(statement_cosines):
+    return 1.0
+  return float(np.mean(np.asarray(statement_cosines) >= cosine))
 
 
 def normalize_text(text: str) -> str:
@@ -280,7 +317,8 @@ class RolloutInput:
       semantic-SKIP judgement weighs; None = every line of `context`.
     expert: The expert's (teacher's) response for this session, from the
       fixed expert states (`snapshots.expert_responses`): the length
-      reference; None = none known (valid responses only).
+      reference; `NO_EXPERT_RESPONSE` for a session of such a run that
+      the teacher did not answer; None = a run without expert states.
   """
   bank: MemoryBank
   context: str
@@ -323,9 +361,12 @@ class RewardTerms:
   core_generic: bool
   core_specificity_factor: float
   semantic_skip_justified: bool | None
-  semantic_skip_rho: float | None  # What the judgement compared (SKIPs).
-  # Per user statement of the session (SKIPs): ρ is their largest.
-  semantic_skip_statement_rhos: tuple[float, ...] | None
+  # What the judgement compared (SKIPs): the share of the session's user
+  # statements covered by the semantic store (1 when it states nothing).
+  semantic_skip_coverage: float | None
+  # Per user statement of the session (SKIPs): the cosine of its nearest
+  # semantic entry (0 with an empty store).
+  semantic_skip_statement_cosines: tuple[float, ...] | None
   semantic_skip_bonus: float
   total: float
   reward: float  # `total` gated by validity: what the advantage uses.
@@ -530,47 +571,28 @@ class RewardComputer:
       results[i] = [(float(gain), float("nan"))] * len(scored[i])
     return results
 
-  def _semantic_skip_statement_rhos(self, rollouts: Sequence[RolloutInput],
-                                    embeddings: dict[str, np.ndarray],
-                                    which: list[int]
-                                    ) -> dict[int, np.ndarray]:
-    """The clamped CMI `ρ(C; u | M_sem)` `[U]` of each statement u the user
-    makes in the session, for the rollouts that SKIP semantic (SPEC §4.4);
-    the session's ρ is their largest, i.e. what the best semantic write
-    drawn from the user's own words would score. Statements are clauses of
-    the user's turns that are not questions (App. B's SKIP is for content
-    that is not user-specific); none (a session of common-knowledge
-    questions) gives ρ = 0. The conditioning set is the semantic store
-    (top-k by the App. F query; no recency term), with the cosine fallback
-    below `min_memories` entries.
-    """
-    turns = {i: rollouts[i].statements() for i in which}
-    which = [i for i in which if turns[i]]
-    none = np.zeros(0, np.float32)
-    if not which:
-      return {i: none for i in turns}
-    rows = _bucket(len(which), 8)  # Few compiled shapes across batches.
-    stores = [rollouts[i].bank.stores[MemoryType.SEMANTIC] for i in which]
-    m = _bucket(max(len(store) for store in stores), 32)
-    o = _bucket(max(len(turns[i]) for i in which), 16)
-    dim = self.encoder.dim
-    vectors = np.zeros((rows, m, dim), np.float32)
-    valid = np.zeros((rows, m), bool)
-    ctx = np.zeros((rows, dim), np.float32)
-    new = np.zeros((rows, o, dim), np.float32)
-    for row, (i, store) in enumerate(zip(which, stores)):
-      vectors[row, :len(store)] = store.vectors
-      valid[row, :len(store)] = True
-      ctx[row] = embeddings[rollouts[i].context]
-      new[row, :len(turns[i])] = [embeddings[u] for u in turns[i]]
-    rho_new, _, _, _ = banked_rho(
-        vectors, valid, -np.ones((rows, 1), np.int64), ctx, new, new,
-        np.zeros((rows, o), bool), lam=self.config.lam,
-        config=dataclasses.replace(self.config.conditioning, n_recent=0),
-        min_memories=self.config.min_memories)
-    rho_new = np.clip(np.asarray(rho_new), 0.0, 1.0)
-    found = {i: rho_new[row, :len(turns[i])] for row, i in enumerate(which)}
-    return {i: found.get(i, none) for i in turns}
+  @staticmethod
+  def _statement_cosines(rollouts: Sequence[RolloutInput],
+                         embeddings: dict[str, np.ndarray], which: list[int]
+                         ) -> dict[int, np.ndarray]:
+    """For the rollouts `which` (those that SKIP semantic, SPEC §4.4): the
+    cosine `[U]` of each statement u the user makes in the session to its
+    nearest entry of the semantic store `M_{t-1}` (0 for an empty store).
+    Statements are clauses of the user's turns that are not questions
+    (App. B's SKIP is for content that is not user-specific, or already
+    fully captured); a session of common-knowledge questions has none."""
+    out = {}
+    for i in which:
+      statements = rollouts[i].statements()
+      stored = rollouts[i].bank.stores[MemoryType.SEMANTIC].vectors
+      if not statements or not len(stored):
+        out[i] = np.zeros(len(statements), np.float32)
+        continue
+      vectors = np.stack([embeddings[u] for u in statements])
+      unit = lambda x: x / np.maximum(  # noqa: E731
+          np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+      out[i] = (unit(vectors) @ unit(stored).T).max(axis=1).astype(np.float32)
+    return out
 
   # -- per-rollout terms ---------------------------------------------------
 
@@ -603,8 +625,11 @@ class RewardComputer:
       rhos = self._logprob_rho(rollouts, scored)
     else:
       rhos = self._rho(rollouts, scored, embeddings)
-    skip_rhos = self._semantic_skip_statement_rhos(rollouts, embeddings,
-                                                   skips)
+    if skips and not self.config.skip_calibrated:
+      raise ValueError("a semantic SKIP needs the encoder's calibration "
+                       "(reward.semantic_skip_cosine / _coverage: "
+                       "skip_table.calibrated)")
+    skip_cosines = self._statement_cosines(rollouts, embeddings, skips)
     # Eq. 16: the slot retrieved most often while answering, counted over
     # the whole batch (valid rollouts), is dominant for every rollout.
     batch_counts: collections.Counter[MemoryType] = collections.Counter()
@@ -612,15 +637,15 @@ class RewardComputer:
       if rollout.response.valid:
         batch_counts.update(rollout.retrieval_counts or {})
     dominant = self._dominant_type(batch_counts)
-    return [self._terms(r, scored[i], rhos[i], embeddings, skip_rhos.get(i),
-                        dominant)
+    return [self._terms(r, scored[i], rhos[i], embeddings,
+                        skip_cosines.get(i), dominant)
             for i, r in enumerate(rollouts)]
 
   def _terms(self, rollout: RolloutInput,
              scored: list[tuple[Operation, str, str | None]],
              rhos: list[tuple[float, float]],
              embeddings: dict[str, np.ndarray],
-             statement_rhos: np.ndarray | None,
+             statement_cosines: np.ndarray | None,
              batch_dominant: MemoryType | None) -> RewardTerms:
     config = self.config
     response = rollout.response
@@ -652,11 +677,11 @@ class RewardComputer:
     core_generic = any(pattern.search(op.new_text) for op in writes
                        if op.memory_type is MemoryType.CORE
                        for pattern in self._generic)
-    # Justified when nothing in the session is novel for the semantic store.
-    semantic_skip_rho = (None if statement_rhos is None
-                         else float(statement_rhos.max(initial=0.0)))
-    justified = (None if semantic_skip_rho is None
-                 else semantic_skip_rho < config.semantic_skip_threshold)
+    # Justified when the store already covers what the user states.
+    coverage = (None if statement_cosines is None else
+                skip_coverage(statement_cosines, config.semantic_skip_cosine))
+    justified = (None if coverage is None
+                 else coverage >= config.semantic_skip_coverage)
     skip_bonus = (0.0 if justified is None else
                   config.semantic_skip_bonus if justified
                   else -config.semantic_skip_bonus)
@@ -680,10 +705,10 @@ class RewardComputer:
         cross_duplicate_fraction=cross, cross_duplicate_factor=factors["cross"],
         core_generic=core_generic, core_specificity_factor=factors["core"],
         semantic_skip_justified=justified,
-        semantic_skip_rho=semantic_skip_rho,
-        semantic_skip_statement_rhos=(
-            None if statement_rhos is None
-            else tuple(float(x) for x in statement_rhos)),
+        semantic_skip_coverage=coverage,
+        semantic_skip_statement_cosines=(
+            None if statement_cosines is None
+            else tuple(float(x) for x in statement_cosines)),
         semantic_skip_bonus=skip_bonus,
         total=total, reward=total if valid else 0.0, empty=empty,
         operations=operations, line_weights=line_weights,

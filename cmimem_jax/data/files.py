@@ -121,6 +121,20 @@ def rewrite_jsonl(path: str, records: list[dict[str, Any]]) -> None:
   write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
+def write_atomic(path: str, data: str | bytes) -> None:
+  """Writes `path` whole or not at all: a temporary file in the same
+  directory, fsync'd, then `os.replace`d over it."""
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  temporary = os.path.join(directory, f".{os.path.basename(path)}."
+                           f"{os.getpid()}.tmp")
+  with open(temporary, "wb") as f:
+    f.write(data.encode() if isinstance(data, str) else data)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(temporary, path)
+
+
 def safe_name(identifier: str) -> str:
   """A file name for an id from a dataset: itself when it is made of
   `[A-Za-z0-9._-]`, at most 64 characters (and not "", "." or ".."), else

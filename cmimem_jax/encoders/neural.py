@@ -3,6 +3,17 @@
 Texts are tokenized, sorted by length, padded to a length bucket and a
 fixed batch size, and run through a jitted forward + pooling, so only a few
 shapes ever compile. Outputs are float32, unit norm, in input order.
+
+A text longer than the encoder's window (`max_length`: MiniLM reads 256
+tokens, and every LoCoMo session is longer) is embedded whole, never
+truncated: its tokens are cut into consecutive windows, each wrapped in
+the tokenizer's own special tokens and embedded like a text of its own,
+and the text's embedding is the mean of the window embeddings weighted by
+their tokens, L2-normalised. Weighted by tokens, every token of the text
+counts alike, as in a mean-pooled encoder's own embedding of a text that
+fits (MiniLM's): a short last window does not weigh as much as a full one.
+Windows do not overlap (each token is read once: the weights stay its
+share of the text).
 """
 
 from __future__ import annotations
@@ -44,7 +55,8 @@ class TransformerEncoder:
     pooled: `(model, tokens, mask) -> [B, dim]` unit embeddings (jitted here).
     tokenizer: A HF tokenizer.
     dim: Output width.
-    max_length: Truncation length in tokens.
+    max_length: The window in tokens: longer texts are embedded as
+      several windows (module docstring).
     batch_size: Largest compiled batch (smaller calls compile at the next
       power of two).
     query_instruction: Queries are embedded as `instructed_query(it,
@@ -67,15 +79,37 @@ class TransformerEncoder:
     self.buckets = tuple(b for b in length_buckets if b < max_length) + (
         max_length,)
     self._forward = nnx.jit(pooled, graph=False)
+    # Texts embedded as several windows so far (none is ever truncated).
+    self.windowed_texts = 0
 
   def query_text(self, text: str) -> str:
     """What this encoder embeds for the query `text`."""
     return instructed_query(self.query_instruction, text)
 
-  def _tokenize(self, texts: Sequence[str]) -> list[list[int]]:
-    encoded = self.tokenizer(list(texts), truncation=True,
-                             max_length=self.max_length)["input_ids"]
-    return [list(ids) for ids in encoded]
+  def windows(self, texts: Sequence[str]) -> list[list[list[int]]]:
+    """The token windows each of `texts` is embedded as: its ids with
+    special tokens when they fit in `max_length`, else consecutive slices
+    of its bare ids, each wrapped in the same special tokens (module
+    docstring)."""
+    # verbose=False: the tokenizer warns about ids over its own maximum,
+    # which only ever reach the model cut into windows.
+    encoded = self.tokenizer(list(texts), verbose=False)["input_ids"]
+    return [[list(full)] if len(full) <= self.max_length
+            else self._split(text, full)
+            for text, full in zip(texts, encoded)]
+
+  def _split(self, text: str, full: Sequence[int]) -> list[list[int]]:
+    bare = self.tokenizer(text, add_special_tokens=False,
+                          verbose=False)["input_ids"]
+    start = next(i for i in range(len(full) - len(bare) + 1)
+                 if full[i:i + len(bare)] == bare)
+    prefix, suffix = list(full[:start]), list(full[start + len(bare):])
+    budget = self.max_length - len(prefix) - len(suffix)
+    if budget <= 0:
+      raise ValueError(f"max_length {self.max_length} holds no token beside "
+                       f"the {len(prefix) + len(suffix)} special ones")
+    return [prefix + list(bare[i:i + budget]) + suffix
+            for i in range(0, len(bare), budget)]
 
   def encode(self, texts: Sequence[str],
              kind: EncodeKind = "document") -> np.ndarray:
@@ -83,10 +117,25 @@ class TransformerEncoder:
       raise TypeError("encode() takes a sequence of texts, not one string")
     if kind == "query":
       texts = [self.query_text(t) for t in texts]
-    out = np.zeros((len(texts), self.dim), np.float32)
     if not texts:
-      return out
-    ids = self._tokenize(texts)
+      return np.zeros((0, self.dim), np.float32)
+    per_text = self.windows(texts)
+    self.windowed_texts += sum(len(w) > 1 for w in per_text)
+    ids = [window for windows in per_text for window in windows]
+    pooled = self._encode_ids(ids)
+    if len(ids) == len(texts):  # Every text fits one window.
+      return pooled
+    owner = np.repeat(np.arange(len(texts)), [len(w) for w in per_text])
+    weights = np.array([len(w) for w in ids], np.float32)
+    out = np.zeros((len(texts), self.dim), np.float32)
+    np.add.at(out, owner, pooled * weights[:, None])
+    norms = np.linalg.norm(out, axis=1, keepdims=True)
+    return out / np.maximum(norms, 1e-12)
+
+  def _encode_ids(self, ids: list[list[int]]) -> np.ndarray:
+    """`[len(ids), dim]` pooled embeddings of token rows of at most
+    `max_length` ids each, in order."""
+    out = np.zeros((len(ids), self.dim), np.float32)
     order = np.argsort([len(x) for x in ids], kind="stable")
     pad = self.tokenizer.pad_token_id or 0
     for start in range(0, len(order), self.batch_size):

@@ -194,7 +194,9 @@ def question_record(dataset: str, judge_kind: str, dialogue: Dialogue,
       "question": question.question, "gold": question.answer,
       "prediction": prediction, "score": score,
       "context_recall": recall,
-      "retrieved": list(context.retrieved)}
+      "retrieved": list(context.retrieved),
+      # What the answer model reads: with LookupChunk, source turns too.
+      "context_chars": len(context.context)}
   if recall is None and judge_kind == "context_recall":
     record["unscorable"] = "unanswerable question: no gold to find"
   elif score is None:

@@ -10,7 +10,8 @@ from cmimem_jax.rl.checkpoint import (Checkpointer, Restored,
                                       load_model_weights)
 from cmimem_jax.rl.logprobs import (mean_continuation_logprobs,
                                     recompute_logprobs, token_logprobs)
-from cmimem_jax.rl.losses import (AGGREGATIONS, GRPOLossConfig, Objective,
+from cmimem_jax.rl.losses import (AGGREGATIONS, OLD_LOGPROBS, GRPOLossConfig,
+                                  Objective,
                                   SFTLossConfig, aggregation_scale, grpo_loss,
                                   k3_kl, sft_loss)
 from cmimem_jax.rl.metrics import MetricsWriter, read_metrics, read_rollouts
@@ -19,7 +20,7 @@ from cmimem_jax.rl.trainer import (Learner, OptimizerConfig, TrainStepConfig,
                                    accumulated_grads, make_optimizer)
 
 __all__ = [
-    "AGGREGATIONS", "aggregation_scale", "Checkpointer", "GRPOLossConfig", "Learner", "MetricsWriter", "Objective",
+    "AGGREGATIONS", "OLD_LOGPROBS", "aggregation_scale", "Checkpointer", "GRPOLossConfig", "Learner", "MetricsWriter", "Objective",
     "OptimizerConfig", "Restored", "SFTLossConfig", "StopSignals", "TrainStepConfig",
     "accumulated_grads", "group_advantages", "grpo_loss", "k3_kl",
     "load_model_weights", "make_optimizer", "mean_continuation_logprobs",

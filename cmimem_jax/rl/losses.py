@@ -17,6 +17,20 @@ The GRPO objective is verl's actor loss term by term (`core_algos`:
 `agg_loss`; tests/rl/test_parity.py checks it against verl 0.4.0, the
 version MemBuilder's launch script runs on, and 0.4.1, the first with the
 log-ratio clamp), and TRL's GRPO loss with dual-clip and clamps off.
+
+Old log-probs (`GRPOLossConfig.old_logprobs`): "learner" takes them as
+verl's on-policy path does with one update per step (MemBuilder's run:
+the actor recomputes them with the weights it is about to update), but
+inside the train step, from the same forward as the differentiated
+log-probs under `stop_gradient`: the ratio is exactly 1 on every token,
+its gradient is ∇log π, clipping and dual-clip never bind, and no extra
+forward is spent. The micro-batches of one step all see the start-of-step
+weights (gradients accumulate, then one update), so every micro-batch's
+stopped log-probs are the start-of-step policy's. The sampler's decode-time
+log-probs stay in the batch as the train/inference mismatch, logged as
+verl logs it (`rollout_probs_diff_*`). "sampler" takes the sampler's as
+old: what several updates per step (PPO epochs) need, where the policy
+moves away from the one that sampled.
 """
 
 from __future__ import annotations
@@ -31,6 +45,9 @@ Batch = dict[str, jax.Array]
 Stats = dict[str, jax.Array]
 
 AGGREGATIONS = ("token_mean", "sequence_mean")
+OLD_LOGPROBS = ("learner", "sampler")
+# Statistics whose micro-batch values combine by maximum, not by sum.
+MAX_SUFFIX = "_max"
 
 
 def aggregation_scale(loss_mask: jax.Array, aggregation: str) -> jax.Array:
@@ -70,8 +87,15 @@ class GRPOLossConfig:
   # The k3 KL per token is clamped to [−kl_clamp, kl_clamp] (verl's
   # "low_var_kl"; every verl version). 0 turns it off (TRL's k3).
   kl_clamp: float = 10.0
+  # Whose log-probs are π_old (module docstring): "learner" (the policy's
+  # own at the start of the step, under stop_gradient: ratio ≡ 1, verl's
+  # on-policy path; one update per step) or "sampler" (the batch's
+  # `old_logprobs`, the decode-time ones).
+  old_logprobs: str = "sampler"
 
-  # `[B, T]` arrays, `advantages` `[B]`.
+  # `[B, T]` arrays, `advantages` `[B]`; `old_logprobs` are the sampler's
+  # (π_old under "sampler", the mismatch metric's reference under
+  # "learner").
   batch_keys: ClassVar[tuple[str, ...]] = (
       "tokens", "mask", "loss_mask", "old_logprobs", "advantages",
       "token_weights")
@@ -91,6 +115,9 @@ class GRPOLossConfig:
     if self.aggregation not in AGGREGATIONS:
       raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got "
                        f"{self.aggregation!r}")
+    if self.old_logprobs not in OLD_LOGPROBS:
+      raise ValueError(f"old_logprobs must be one of {OLD_LOGPROBS}, got "
+                       f"{self.old_logprobs!r}")
 
   @property
   def uses_reference(self) -> bool:
@@ -99,9 +126,13 @@ class GRPOLossConfig:
   def __call__(self, logprobs: jax.Array, entropy: jax.Array, batch: Batch,
                ref_logprobs: jax.Array | None = None
                ) -> tuple[jax.Array, Stats]:
-    return grpo_loss(logprobs, batch["old_logprobs"], batch["advantages"],
+    sampler = batch["old_logprobs"]
+    old = (jax.lax.stop_gradient(logprobs) if self.old_logprobs == "learner"
+           else sampler)
+    return grpo_loss(logprobs, old, batch["advantages"],
                      batch["token_scale"], batch["token_weights"], self,
-                     ref_logprobs=ref_logprobs, entropy=entropy)
+                     ref_logprobs=ref_logprobs, entropy=entropy,
+                     sampler_logprobs=sampler)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +163,18 @@ def _weighted_mean(token_scale: jax.Array):
   mask = (token_scale > 0).astype(jnp.float32)
   # `where`, not `x * scale`: padding may hold values that overflow (inf*0).
   return mask, lambda x: jnp.sum(jnp.where(mask > 0, x * token_scale, 0.0))
+
+
+def _masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:
+  """Largest value of `x` >= 0 over the tokens of `mask` (0 for none)."""
+  return jnp.max(jnp.where(mask > 0, x, 0.0), initial=0.0)
+
+
+def combine_stats(total: Stats, part: Stats) -> Stats:
+  """Statistics of two micro-batches combined: sums, except `*_max`
+  statistics (maxima)."""
+  return {name: (jnp.maximum if name.endswith(MAX_SUFFIX) else jnp.add)(
+      total[name], part[name]) for name in total}
 
 
 def _clamp(x: jax.Array, bound: float) -> jax.Array:
@@ -194,13 +237,15 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array,
               advantages: jax.Array, token_scale: jax.Array,
               token_weights: jax.Array, config: GRPOLossConfig,
               ref_logprobs: jax.Array | None = None,
-              entropy: jax.Array | None = None
+              entropy: jax.Array | None = None,
+              sampler_logprobs: jax.Array | None = None
               ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Clipped surrogate + k3 KL, averaged over the global batch.
 
   Args:
     logprobs: `[B, T]` current policy log-probs (differentiated).
-    old_logprobs: `[B, T]` log-probs of the policy that sampled.
+    old_logprobs: `[B, T]` π_old: the sampler's, or `logprobs` under
+      stop_gradient (on-policy, ratio ≡ 1).
     advantages: `[B]` group advantages.
     token_scale: `[B, T]` each completion token's share of the *global*
       batch mean (`aggregation_scale` of the loss mask; 0 off it).
@@ -208,10 +253,17 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array,
     config: clip range, dual-clip, clamps, KL weight.
     ref_logprobs: `[B, T]` frozen reference log-probs (needed if β > 0).
     entropy: `[B, T]` optional, only reported.
+    sampler_logprobs: `[B, T]` the sampler's decode-time log-probs, whose
+      gap to `logprobs` is reported (default: `old_logprobs`).
 
   Returns:
     `(loss, stats)`: stats are `token_scale`-weighted sums (exact when
-    summed over micro-batches).
+    summed over micro-batches), `*_max` ones maxima over tokens
+    (`combine_stats`). The train/inference mismatch, |log π − log
+    π_sampler| ("logprob_gap", "logprob_gap_max") and, as verl logs it,
+    |π − π_sampler| ("rollout_probs_diff_mean", "rollout_probs_diff_max"),
+    and how far the update is off-policy: max |ratio − 1|
+    ("ratio_deviation_max", 0 with on-policy old log-probs).
   """
   mask, mean = _weighted_mean(token_scale)
   if config.kl_beta > 0 and ref_logprobs is None:
@@ -241,10 +293,27 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array,
                            .astype(jnp.float32))
                       if config.clip_ratio_c else jnp.zeros(())),
       ratio_mean=mean(ratio),
-      logprob_gap=mean(jnp.abs(terms["log_ratio"])))
+      ratio_deviation_max=_masked_max(
+          jax.lax.stop_gradient(jnp.abs(ratio - 1.0)), mask))
+  stats.update(_mismatch(logprobs, (old_logprobs if sampler_logprobs is None
+                                    else sampler_logprobs), mask, mean))
   if entropy is not None:
     stats["entropy"] = mean(jax.lax.stop_gradient(entropy))
   return loss, stats
+
+
+def _mismatch(logprobs: jax.Array, sampler_logprobs: jax.Array,
+              mask: jax.Array, mean) -> Stats:
+  """The train/inference mismatch over the loss tokens `mask` `[B, T]`:
+  mean (`mean`, the loss's own aggregation: verl's token mean in every
+  config here) and max of |Δ log p| and of |Δ p|."""
+  on = lambda x: jnp.where(mask > 0, jax.lax.stop_gradient(x), 0.0)  # noqa: E731
+  learner, sampler = on(logprobs), on(sampler_logprobs)
+  gap = jnp.abs(learner - sampler)
+  probs = jnp.abs(jnp.exp(learner) - jnp.exp(sampler))
+  return {"logprob_gap": mean(gap), "logprob_gap_max": _masked_max(gap, mask),
+          "rollout_probs_diff_mean": mean(probs),
+          "rollout_probs_diff_max": _masked_max(probs, mask)}
 
 
 def sft_loss(logprobs: jax.Array, token_scale: jax.Array,

@@ -34,7 +34,8 @@ from cmimem_jax.parallel.partition import (QWEN3_RULES, Rules,
                                            param_shardings, place_batch)
 from cmimem_jax.rl.batch import shared_prompt_group
 from cmimem_jax.rl.logprobs import token_logprobs
-from cmimem_jax.rl.losses import GRPOLossConfig, Objective, aggregation_scale
+from cmimem_jax.rl.losses import (GRPOLossConfig, Objective,
+                                  aggregation_scale, combine_stats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +117,12 @@ def accumulated_grads(graphdef: nnx.GraphDef, config: TrainStepConfig,
   prompt (`shared_prompt_group`; 1: none shared). `trainable` (static):
   None for every parameter, else the parameter paths (`layers/q_proj`)
   that get a gradient; the others' is zero and their weight gradients are
-  never computed (the backward of an adapter-only update such as LoRA)."""
+  never computed (the backward of an adapter-only update such as LoRA).
+
+  Every micro-batch is differentiated at the same `params` (the update
+  comes after the scan), so on-policy old log-probs (`GRPOLossConfig.
+  old_logprobs="learner"`, the stopped log-probs of each micro-batch's own
+  forward) are the start-of-step policy's on every micro-batch."""
   k = config.micro_batches
   num_tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
   # Each token's share of the global batch's mean, fixed before the split
@@ -153,7 +159,7 @@ def accumulated_grads(graphdef: nnx.GraphDef, config: TrainStepConfig,
     grads, stats = carry
     (_, step_stats), step_grads = grad_fn(params, mb)
     return (jax.tree.map(jnp.add, grads, step_grads),
-            jax.tree.map(jnp.add, stats, step_stats)), None
+            combine_stats(stats, step_stats)), None
 
   zero_grads = jax.tree.map(jnp.zeros_like, params)
   first = jax.tree.map(lambda x: x[0], micro)

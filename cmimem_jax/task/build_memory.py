@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 from cmimem_jax.cmi import RewardComputer, RewardConfig, RolloutInput
+from cmimem_jax.cmi.skip_table import calibrated
 from cmimem_jax.config import ConfigError, qa_chunk_budget, validate_config
 from cmimem_jax.data import Dialogue, WorkdirLock, load_configured, path_under
 from cmimem_jax.data.files import write_json
@@ -73,8 +74,8 @@ def build_bank(dialogue: Dialogue, encoder: Encoder, config,
 def reward_summary(rollouts: list[RolloutInput], encoder: Encoder,
                    config) -> dict[str, float]:
   """Mean CMI reward terms over the sessions (one batched call)."""
-  terms = RewardComputer(encoder, RewardConfig.from_config(config.reward))(
-      rollouts)
+  terms = RewardComputer(encoder, calibrated(
+      RewardConfig.from_config(config.reward), config.encoder))(rollouts)
   rho = [op.rho_new for t in terms for op in t.operations]
   return {
       "mean_cmi": float(np.mean([t.cmi for t in terms])),

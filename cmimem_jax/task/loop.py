@@ -37,7 +37,9 @@ from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cmimem_jax.cmi.logprob import PolicyProfileLM
-from cmimem_jax.cmi.reward import RewardComputer, RewardConfig
+from cmimem_jax.cmi.reward import (NO_EXPERT_RESPONSE, RewardComputer,
+                                   RewardConfig)
+from cmimem_jax.cmi.skip_table import calibrated
 from cmimem_jax.config import (CONFIG_FILE, Interrupted, check_failures,
                                config_json, finite_number, register_section,
                                validate_config)
@@ -53,7 +55,8 @@ from cmimem_jax.models.host_memory import (release_free_heap,
 from cmimem_jax.models.qwen3.params import save_hf
 from cmimem_jax.parallel import (initialize_distributed, make_mesh,
                                  parse_mesh_shape, resolve_mesh_shape)
-from cmimem_jax.rl import (Checkpointer, GRPOLossConfig, Learner,
+from cmimem_jax.rl import (OLD_LOGPROBS, Checkpointer, GRPOLossConfig,
+                           Learner,
                            MetricsWriter, OptimizerConfig, StopSignals,
                            TrainStepConfig,
                            group_advantages, load_model_weights, read_metrics,
@@ -136,6 +139,12 @@ def _check_training(c) -> None:
   for name in ("clip_ratio_c", "log_ratio_clamp", "kl_clamp"):
     c.check(f"rl.{name}", lambda v: finite_number(v, 0.0),
             "a finite number >= 0 (0: off)")
+  # The train step makes one optimizer update per step, so the learner's
+  # start-of-step log-probs are π_old ("learner", verl's on-policy path);
+  # a loop of several updates on one batch must take "sampler".
+  c.check("rl.old_logprobs", lambda v: v in OLD_LOGPROBS,
+          f"one of {OLD_LOGPROBS} ('learner': the policy's own, ratio 1; "
+          "'sampler': the decode-time ones)")
   try:
     grpo_loss_config(c.get("rl"))
   except (TypeError, ValueError, AttributeError) as e:
@@ -171,7 +180,7 @@ def grpo_loss_config(rl: Any) -> GRPOLossConfig:
   return GRPOLossConfig(
       rl.epsilon_low, rl.epsilon_high, rl.kl_beta, rl.loss_aggregation,
       clip_ratio_c=rl.clip_ratio_c, log_ratio_clamp=rl.log_ratio_clamp,
-      kl_clamp=rl.kl_clamp)
+      kl_clamp=rl.kl_clamp, old_logprobs=rl.old_logprobs)
 
 
 def _check_buckets(c) -> None:
@@ -256,6 +265,10 @@ class Trainer:
     validate_config(config, required=("dataset", "encoder", "memory",
                                       "reward", "policy", "rollout", "rl",
                                       "qa"))
+    # The Semantic SKIP thresholds of this encoder (refused before anything
+    # loads when it has none: tools/skip_calibration.py first).
+    reward_config = calibrated(RewardConfig.from_config(config.reward),
+                               config.encoder)
     if config.rollout.engine == "vllm":
       import_vllm()  # Fails fast, with the install hint, where it is absent.
     # Freed step / decode buffers leave the resident set at once (a JAX
@@ -343,7 +356,6 @@ class Trainer:
       logging.info("resumed from step %d (skipped unreadable: %s)",
                    restored.step, restored.skipped)
     self.resumed_from = None if restored is None else restored.step
-    reward_config = RewardConfig.from_config(config.reward)
     profile_lm = None
     if reward_config.estimator == "logprob":
       # App. E / H.3: p_ref is the frozen initial policy (the KL
@@ -395,7 +407,9 @@ class Trainer:
     session = dialogue.sessions[ref.session]
     return Episode(dialogue, session, self.snapshots[ref.dialogue][ref.session],
                    session_questions(dialogue, session),
-                   self.expert.get((dialogue.dialogue_id, ref.session)))
+                   self.expert.get((dialogue.dialogue_id, ref.session),
+                                   NO_EXPERT_RESPONSE)
+                   if self.fixed_snapshots else None)
 
   def validate(self) -> dict[str, float]:
     """The held-out sessions answered greedily and scored with the full
@@ -447,8 +461,11 @@ class Trainer:
     out = self.policy.generate(rows, key, rollout.temperature, rollout.top_p,
                                rollout.max_new_tokens)
     sampler_gap = None
-    if isinstance(self.policy.engine, VLLMEngine):
-      # The learner's old log-probs are its own, not vLLM's.
+    if isinstance(self.policy.engine, VLLMEngine) and (
+        self.config.rl.old_logprobs == "sampler"):
+      # The learner's old log-probs are its own, not vLLM's ("learner":
+      # the train step takes them from its own forward instead, and logs
+      # vLLM's gap to them).
       old, sampler_gap = recompute_logprobs(self.learner.model, out,
                                             rollout.temperature,
                                             self.config.rl.logprob_chunk)
@@ -489,8 +506,9 @@ class Trainer:
     metrics = self.learner.step(rollout_batch(out, advantages, weights,
                                               self.constraint))
     self.policy.set_model(self.learner.model)
-    if sampler_gap is not None:
+    if isinstance(self.policy.engine, VLLMEngine):
       metrics["vllm_weight_push"] = self.policy.engine.last_push
+    if sampler_gap is not None:
       metrics["sampler_trainer_logprob_gap"] = sampler_gap
     metrics.update(_mean_terms(terms))
     metrics.update(
@@ -511,7 +529,8 @@ class Trainer:
          "session_id": episodes[i // self.group].session.session_id,
          "rollout": i % self.group, "advantage": float(advantages[i]),
          **t.scalars(),
-         "semantic_skip_statement_rhos": t.semantic_skip_statement_rhos,
+         "semantic_skip_statement_cosines": (
+             t.semantic_skip_statement_cosines),
          "response": text}
         for i, (t, text) in enumerate(zip(terms, texts))]
     self.loop["step"] = step + 1

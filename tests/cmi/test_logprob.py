@@ -88,7 +88,8 @@ def test_reward_gives_each_operation_its_rollouts_gain(policy_lm):
   before, after = _banks()
   text = ("CORE:APPEND|Owns a beagle named Rex\nEPISODIC:ADD|2024-03-01: "
           "adopted Rex\nSEMANTIC:SKIP\nPROCEDURAL:SKIP")
-  config = RewardConfig(estimator="logprob", shaping="none")
+  config = RewardConfig(estimator="logprob", shaping="none",
+                        semantic_skip_cosine=0.5, semantic_skip_coverage=0.5)
   computer = RewardComputer(ENCODER, config, policy_lm)
   rollout = RolloutInput(before, "user: I adopted Rex", parse(text), 0.5,
                          bank_after=after)

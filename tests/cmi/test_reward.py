@@ -1,8 +1,11 @@
 import math
 
+import ml_collections
 import numpy as np
 import pytest
 
+from cmimem_jax.cmi.reward import NO_EXPERT_RESPONSE
+from cmimem_jax.cmi.skip_table import calibrated
 from cmimem_jax.cmi import (RewardComputer, RewardConfig, RolloutInput,
                             banked_rho, gaussian_shaping, operation_score,
                             reward_defaults, token_weights)
@@ -13,6 +16,10 @@ from cmimem_jax.memory import (Action, MemoryBank, MemoryType, Operation,
                                apply_operations, parse)
 
 ENCODER = HashingEncoder(256)
+# Coverage thresholds for the tests' hashing encoder (not a calibration:
+# configs read theirs from cmi.skip_table).
+SKIP_RULE = {"semantic_skip_cosine": 0.5, "semantic_skip_coverage": 0.5}
+CALIBRATED = RewardConfig(**SKIP_RULE)
 CONTEXT = "user: I adopted a beagle named Rex and I walk him every morning"
 SKIPS = "EPISODIC:SKIP\nSEMANTIC:SKIP\nPROCEDURAL:SKIP"
 
@@ -26,7 +33,7 @@ def _g(s):
   return float(gaussian_shaping(s, 0.35, 0.15))
 
 
-def _score(text, bank=None, qa=0.0, counts=None, config=RewardConfig()):
+def _score(text, bank=None, qa=0.0, counts=None, config=CALIBRATED):
   bank = bank if bank is not None else MemoryBank("u", ENCODER.dim)
   rollout = RolloutInput(bank, CONTEXT, parse(text), qa, counts)
   (terms,) = RewardComputer(ENCODER, config)([rollout])
@@ -98,7 +105,7 @@ def test_empty_action_value():
   bank = _bank("Rex - Pet: beagle")
   bank.core = "Likes tea"
   terms = _score(f"CORE:REPLACE|Likes coffee|Likes water\n{SKIPS}", bank=bank,
-                 qa=0.5, config=RewardConfig(semantic_skip_bonus=0.0))
+                 qa=0.5, config=RewardConfig(semantic_skip_bonus=0.0, **SKIP_RULE))
   assert terms.empty and terms.cmi == -0.5 and terms.operations == []
   assert terms.total == pytest.approx(0.3 * -0.5 + 0.7 * 0.5)
 
@@ -164,7 +171,7 @@ def test_cosine_estimator_ignores_the_bank():
   new = "Rex - Pet: a three year old beagle"
   text = f"CORE:APPEND|Owns Rex\nEPISODIC:SKIP\nSEMANTIC:ADD|{new}\n" \
          "PROCEDURAL:SKIP"
-  cosine = _score(text, bank=bank, config=RewardConfig(estimator="cosine"))
+  cosine = _score(text, bank=bank, config=RewardConfig(estimator="cosine", **SKIP_RULE))
   residual = _score(text, bank=bank)
   assert [o.rho_new for o in cosine.operations] == pytest.approx(
       [_cos(CONTEXT, "Owns Rex"), _cos(CONTEXT, new)], abs=1e-6)
@@ -176,7 +183,7 @@ def test_cosine_estimator_ignores_the_bank():
 
 def test_shaping_ablation_uses_raw_scores():
   terms = _score(f"CORE:APPEND|Owns Rex\n{SKIPS}",
-                 config=RewardConfig(shaping="none"))
+                 config=RewardConfig(shaping="none", **SKIP_RULE))
   assert terms.operations[0].shaped == terms.operations[0].score
   assert terms.cmi == pytest.approx(terms.operations[0].score)
 
@@ -195,7 +202,8 @@ def test_length_penalty():
 def _with_expert(text, expert, qa=0.5, **overrides):
   rollout = RolloutInput(MemoryBank("u", ENCODER.dim), CONTEXT, parse(text),
                          qa, expert=None if expert is None else parse(expert))
-  (terms,) = RewardComputer(ENCODER, RewardConfig(**overrides))([rollout])
+  (terms,) = RewardComputer(ENCODER, RewardConfig(**SKIP_RULE, **overrides))(
+      [rollout])
   return terms
 
 
@@ -222,8 +230,16 @@ def test_length_penalty_relative_to_the_expert():
   # 480 / 1000 tokens (ratio 0.48, just under gamma_l = 0.5): too short.
   terms = _with_expert(expert.format("x" * 1920), expert.format(same))
   assert terms.length_excess == pytest.approx((0.5 - 0.48) / 0.3 / 4)
-  # No expert response for the session: the absolute band.
+  # A run without expert states: the absolute band (600 chars: 0.5).
   assert _with_expert(expert.format(same), None).length_excess == 0.5
+  # A session of a run with expert states that the teacher did not
+  # answer (a dialogue's last): MemBuilder's formula without
+  # `expert_output`: no entry-type penalty, the core by its band.
+  assert _with_expert(expert.format(same),
+                      NO_EXPERT_RESPONSE).length_excess == 0.0
+  long_core = "CORE:APPEND|" + "y" * 1100 + "\n" + SKIPS  # ℓ_core = 0.5.
+  assert _with_expert(long_core, NO_EXPERT_RESPONSE).length_excess == (
+      pytest.approx(0.5 / 4))
 
 
 def test_length_penalty_spares_a_non_positive_reward():
@@ -290,7 +306,7 @@ def test_the_dominant_type_is_counted_across_the_batch():
                            0.0, counts)
               for counts in ({MemoryType.EPISODIC: 3, MemoryType.SEMANTIC: 1},
                              {MemoryType.SEMANTIC: 6})]
-  first, second = RewardComputer(ENCODER)(rollouts)
+  first, second = RewardComputer(ENCODER, CALIBRATED)(rollouts)
   assert first.dominant_type is second.dominant_type is MemoryType.SEMANTIC
   assert [w for _, w in first.line_weights] == [1.0, 1.0, 4.0, 1.0]
 
@@ -328,7 +344,8 @@ def _user_turns(session):
                if line.startswith("user: "))
 
 
-def _skip_terms(encoder, semantic_texts, session=DOG_SESSION):
+def _skip_terms(encoder, semantic_texts, session=DOG_SESSION,
+                config=CALIBRATED):
   bank = MemoryBank("u", encoder.dim)
   bank, _ = apply_operations(bank, [
       Operation(MemoryType.SEMANTIC, Action.ADD, (t,)) for t in semantic_texts],
@@ -336,7 +353,7 @@ def _skip_terms(encoder, semantic_texts, session=DOG_SESSION):
   rollout = RolloutInput(bank, "\n".join(session),
                          parse(f"CORE:APPEND|Owns Rex\n{SKIPS}"), 0.0,
                          user_turns=_user_turns(session))
-  (terms,) = RewardComputer(encoder)([rollout])
+  (terms,) = RewardComputer(encoder, config)([rollout])
   return terms
 
 
@@ -368,51 +385,41 @@ def minilm():
 
 
 def test_semantic_skip_on_real_sentence_embeddings(minilm):
-  """SPEC §4.4 on all-MiniLM-L6-v2 vectors: ρ is the largest CMI of a user
-  statement against the semantic store; below `semantic_skip_threshold`
-  (0.232, tools/skip_calibration.py) a SKIP is justified. Stored verbatim: ρ = 0; paraphrased: partly novel; unrelated
-  facts: as novel as with an empty store. A session of common-knowledge
-  questions states nothing about the user: justified whatever the store
-  holds (judged on every line, assistant answers included, ρ would be
-  ~0.6 and the SKIP always penalised)."""
-  known = _skip_terms(minilm, DOG_STATEMENTS)
-  paraphrased = _skip_terms(minilm, [
-      "User - Pets: adopted a beagle puppy named Rex last weekend",
-      "User - Routine: walks Rex every morning before work",
-      "User - Career: works nursing shifts at the hospital"])
+  """SPEC §4.4 on all-MiniLM-L6-v2 vectors with MiniLM's own calibration
+  (the packaged table, tools/skip_calibration.py): a SKIP is justified
+  when the semantic store covers the user's statements. Stored verbatim
+  or in other words (a store paraphrasing every statement, which the
+  largest-ρ rule judged unjustified): justified; unrelated facts or an
+  empty store: not. A session of common-knowledge questions states
+  nothing about the user: justified whatever the store holds."""
+  config = calibrated(RewardConfig(), ml_collections.ConfigDict(
+      {"kind": "minilm", "dim": 384, "path": ""}))
+  assert config.skip_calibrated and config.semantic_skip_cosine < 1
+  paraphrases = ["User - Pets: adopted a beagle puppy named Rex last weekend",
+                 "User - Routine: walks Rex every morning before work",
+                 "User - Career: works nursing shifts at the hospital"]
   unrelated = ["User - Travel: visited Lisbon in 2019 and loved the trams",
                "User - Food: allergic to peanuts",
                "User - Music: plays jazz piano on weekends"]
-  assert known.semantic_skip_justified is True
-  assert known.semantic_skip_bonus == 0.1
-  for terms in (paraphrased, _skip_terms(minilm, unrelated)):
-    assert terms.semantic_skip_justified is False
-    assert terms.semantic_skip_bonus == -0.1
+  known = _skip_terms(minilm, DOG_STATEMENTS, config=config)
+  paraphrased = _skip_terms(minilm, paraphrases, config=config)
+  for terms in (known, paraphrased):
+    assert terms.semantic_skip_justified is True
+    assert terms.semantic_skip_bonus == 0.1
+  assert min(known.semantic_skip_statement_cosines) > 0.999
+  assert known.semantic_skip_coverage == 1.0
+  # The adoption is stored in other words: its statement is covered.
+  assert paraphrased.semantic_skip_statement_cosines[0] >= (
+      config.semantic_skip_cosine)
   for store in ([], unrelated):
-    trivia = _skip_terms(minilm, store, TRIVIA_SESSION)
+    terms = _skip_terms(minilm, store, config=config)
+    assert terms.semantic_skip_justified is False, store
+    assert terms.semantic_skip_coverage == 0.0
+    assert terms.semantic_skip_bonus == -0.1
+    trivia = _skip_terms(minilm, store, TRIVIA_SESSION, config=config)
     assert trivia.semantic_skip_justified is True
+    assert trivia.semantic_skip_coverage == 1.0
     assert trivia.semantic_skip_bonus == 0.1
-  rhos = RewardComputer(minilm)._semantic_skip_statement_rhos
-  context = "\n".join(DOG_SESSION)
-  texts = [context, *DOG_STATEMENTS]
-  embeddings = dict(zip(texts, minilm.encode(texts)))
-  values = []
-  for stored in (DOG_STATEMENTS,
-                 ["User - Pets: adopted a beagle puppy named Rex",
-                  "User - Career: nurse at the hospital"],
-                 ["User - Food: allergic to peanuts",
-                  "User - Music: plays jazz piano"]):
-    bank = MemoryBank("u", minilm.dim)
-    bank, _ = apply_operations(bank, [
-        Operation(MemoryType.SEMANTIC, Action.ADD, (t,)) for t in stored],
-        minilm, session_index=0)
-    rollout = RolloutInput(bank, context, parse(SKIPS), 0.0,
-                           user_turns=_user_turns(DOG_SESSION))
-    per_statement = rhos([rollout], embeddings, [0])[0]
-    assert per_statement.shape == (len(DOG_STATEMENTS),)
-    values.append(float(per_statement.max()))
-  assert values[0] == pytest.approx(0.0, abs=1e-3)
-  assert RewardConfig().semantic_skip_threshold < values[1] < values[2]
 
 
 def test_attribution_weights_and_tokens():
@@ -434,7 +441,7 @@ def test_rollouts_of_one_session_share_a_bank_and_one_call():
   bank = _bank("Rex - Pet: beagle", "Ana - Job: nurse", "Ana - City: Oslo")
   texts = [f"CORE:APPEND|Owns Rex\nEPISODIC:ADD|{i} walked Rex\n"
            "SEMANTIC:SKIP\nPROCEDURAL:SKIP" for i in range(4)]
-  batch = RewardComputer(ENCODER)([RolloutInput(bank, CONTEXT, parse(t), 0.5)
+  batch = RewardComputer(ENCODER, CALIBRATED)([RolloutInput(bank, CONTEXT, parse(t), 0.5)
                                    for t in texts])
   single = [_score(t, bank=bank, qa=0.5) for t in texts]
   for a, b in zip(batch, single):
@@ -447,3 +454,39 @@ def test_config_round_trip_and_validation():
     RewardConfig(shaping="cubic")
   with pytest.raises(ValueError, match="alpha"):
     RewardConfig(alpha=1.5)
+
+
+def test_skip_thresholds_are_the_encoders_own_calibration(tmp_path):
+  """Keyed by encoder identity: the packaged table holds the CPU training
+  configs' encoders, not Qwen3-Embedding (the 4B configs refuse to train
+  until calibrated); a table the tool wrote supplies its encoder's, and
+  a rewrite replaces that encoder's entry."""
+  from cmimem_jax.cmi.skip_table import calibrated, read_table, write_entry
+  from cmimem_jax.config import ConfigError
+  from cmimem_jax.encoders import encoder_identity
+  from configs import qwen3_4b, small_repro, tiny
+  for module in (tiny, small_repro):
+    config = module.get_config()
+    reward = calibrated(RewardConfig.from_config(config.reward),
+                        config.encoder)
+    assert reward.skip_calibrated, module.__name__
+  paper = qwen3_4b.get_config()
+  with pytest.raises(ConfigError, match="no Semantic SKIP calibration for "
+                     "encoder .*qwen3_embedding.*tools/skip_calibration.py"):
+    calibrated(RewardConfig.from_config(paper.reward), paper.encoder)
+  table = str(tmp_path / "table.json")
+  identity = encoder_identity(paper.encoder)
+  for cosine in (0.7, 0.6):
+    write_entry(table, {"encoder": identity, "semantic_skip_cosine": cosine,
+                        "semantic_skip_coverage": 0.4})
+  assert len(read_table(table)) == 1
+  paper.reward.skip_calibration = table
+  reward = calibrated(RewardConfig.from_config(paper.reward), paper.encoder)
+  assert (reward.semantic_skip_cosine, reward.semantic_skip_coverage) == (
+      0.6, 0.4)
+  # Thresholds a config sets itself are kept.
+  assert calibrated(CALIBRATED, paper.encoder) is CALIBRATED
+  with pytest.raises(ValueError, match="set together"):
+    RewardConfig(semantic_skip_cosine=0.5)
+  with pytest.raises(ValueError, match="needs the encoder's calibration"):
+    _score(f"CORE:APPEND|Owns Rex\n{SKIPS}", config=RewardConfig())

@@ -125,3 +125,53 @@ def test_qwen3_embedding_encoder_batches_and_prefixes_queries(tmp_path):
   assert not np.allclose(docs, queries)  # The instruction prefix is used.
   alone = encoder.encode(["Instruct: Find it\nQuery:tea"])
   np.testing.assert_allclose(queries[1], alone[0], atol=1e-5)
+
+
+def test_a_session_longer_than_the_window_is_embedded_whole():
+  """MiniLM reads 256 tokens; a longer session is cut into windows (each
+  with [CLS] ... [SEP]) and embedded whole, as their token-weighted mean:
+  what its tail says reaches its embedding and retrieval, where
+  truncation gave two sessions with the same first 256 tokens one vector."""
+  try:
+    encoder = MiniLMEncoder(batch_size=4)
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  head = " ".join(f"Melanie: on day {i} we talked about the weather, which "
+                  "was mild and grey." for i in range(20))
+  tails = ["Caroline: I adopted a beagle named Rex last week, he loves "
+           "long walks in the park.",
+           "Caroline: I started learning the cello in March and practise "
+           "every evening."]
+  sessions = [f"{head}\n{tail}" for tail in tails]
+  tokenizer = encoder.tokenizer
+  windows = encoder.windows(sessions)
+  for text, parts in zip(sessions, windows):
+    assert len(parts) == 2 and all(len(w) <= 256 for w in parts)
+    assert all(w[0] == tokenizer.cls_token_id and w[-1] ==
+               tokenizer.sep_token_id for w in parts)
+    # Every token read once, in order.
+    assert [t for w in parts for t in w[1:-1]] == tokenizer(
+        text, add_special_tokens=False, verbose=False)["input_ids"]
+  before = encoder.windowed_texts
+  vectors = encoder.encode(sessions)
+  assert encoder.windowed_texts == before + 2
+  np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
+  # Truncated, the sessions were one vector; whole, they differ.
+  first = encoder._encode_ids([w[0] for w in windows])
+  np.testing.assert_allclose(first[0], first[1], atol=1e-6)
+  assert vectors[0] @ vectors[1] < 0.99
+  queries = encoder.encode(["Which dog did Caroline adopt?",
+                            "Which instrument is Caroline learning?"],
+                           kind="query")
+  assert (queries @ vectors.T).argmax(1).tolist() == [0, 1]
+  # The pooling: window embeddings weighted by their tokens, normalised.
+  for parts, vector in zip(windows, vectors):
+    weighted = (encoder._encode_ids(parts)
+                * np.array([len(w) for w in parts])[:, None]).sum(0)
+    np.testing.assert_allclose(vector, weighted / np.linalg.norm(weighted),
+                               atol=1e-5)
+  # A text that fits is one window and embeds as before.
+  short = tails[0]
+  assert encoder.windows([short]) == [[tokenizer(short)["input_ids"]]]
+  np.testing.assert_allclose(encoder.encode([short])[0], encoder._encode_ids(
+      [tokenizer(short)["input_ids"]])[0], atol=0)

@@ -479,6 +479,71 @@ def test_tensorboard_scalars_are_written_without_importing_torch(tmp_path):
       (2, "loss"): 0.125, (2, "reward_mean"): 0.75}
 
 
+def test_on_policy_old_logprobs_give_ratio_one_and_verls_update():
+  """`old_logprobs="learner"`: the ratio is exactly 1 on every token however
+  far the sampler's log-probs are (nothing clipped), over two accumulated
+  micro-batches; the update is verl's on-policy one (old log-probs from a
+  separate forward of the same weights, passed as the sampler's); the
+  mismatch is logged against the host-computed gap."""
+  batch = synthetic_batch(2)  # Sampler log-probs in [-4, -3]: far off.
+  mesh = one_device_mesh()
+
+  def step_config(old_logprobs):
+    return dataclasses.replace(config(micro_batches=2), loss=GRPOLossConfig(
+        epsilon_high=0.28, old_logprobs=old_logprobs))
+
+  own, _ = token_logprobs(tiny_model(), batch["tokens"], batch["mask"],
+                          temperature=0.8, chunk=4)
+  own = np.asarray(own) * batch["loss_mask"]
+  on_policy = Learner(tiny_model(), step_config("learner"), mesh)
+  metrics = on_policy.step(batch)
+  assert metrics["ratio_deviation_max"] == 0.0
+  assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+  for name in ("clip_low_frac", "clip_high_frac", "dual_clip_frac"):
+    assert metrics[name] == 0.0, name
+  tokens = batch["loss_mask"] > 0
+  gap = np.abs(own - batch["old_logprobs"])[tokens]
+  probs = np.abs(np.exp(own) - np.exp(batch["old_logprobs"]))[tokens]
+  assert metrics["logprob_gap"] == pytest.approx(gap.mean(), rel=1e-5)
+  # Maxima over both micro-batches, not their sum.
+  assert metrics["logprob_gap_max"] == pytest.approx(gap.max(), rel=1e-5)
+  assert metrics["rollout_probs_diff_mean"] == pytest.approx(probs.mean(),
+                                                             rel=1e-4)
+  assert metrics["rollout_probs_diff_max"] == pytest.approx(probs.max(),
+                                                            rel=1e-4)
+
+  # The sampler's log-probs as π_old clip here; the learner's own, taken
+  # in a separate forward, give the same update as the stopped ones.
+  off_policy = Learner(tiny_model(), step_config("sampler"), mesh)
+  assert off_policy.step(batch)["ratio_deviation_max"] > 0.2
+  verl = Learner(tiny_model(), step_config("sampler"), mesh)
+  separate = verl.step(dict(batch, old_logprobs=own))
+  assert separate["ratio_deviation_max"] < 1e-5
+  # Adam divides by the gradient's scale: a ~1e-7 ratio difference moves
+  # an element by ~1e-6 of a 1e-3 step.
+  for a, b in zip(jax.tree.leaves(on_policy.params),
+                  jax.tree.leaves(verl.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+  with pytest.raises(ValueError, match="old_logprobs must be one of"):
+    GRPOLossConfig(old_logprobs="reference")
+
+
+def test_weight_decay_reaches_the_optimizer():
+  """AdamW's decoupled decay: with a zero gradient (zero advantages, no
+  KL) one step scales every weight by exactly 1 - lr · weight_decay."""
+  batch = dict(synthetic_batch(3), advantages=np.zeros(8, np.float32))
+  model = tiny_model()
+  before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model,
+                                                               nnx.Param)))
+  learner = Learner(model, dataclasses.replace(
+      config(kl_beta=0.0), optimizer=OptimizerConfig(
+          learning_rate=0.1, weight_decay=0.5)), one_device_mesh())
+  metrics = learner.step(batch)
+  assert metrics["grad_norm"] == 0.0
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(learner.params)):
+    np.testing.assert_allclose(np.asarray(b), a * (1 - 0.1 * 0.5), rtol=1e-6)
+
+
 def test_grpo_learns_to_emit_a_target_token():
   """Reward = fraction of completion tokens equal to TARGET: the mean
   reward must rise clearly within a few dozen steps."""

@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 
 from cmimem_jax.client import CallResult
+from cmimem_jax.cmi.reward import NO_EXPERT_RESPONSE
 from cmimem_jax.config import CallsFailed, check_failures
 from cmimem_jax.memory import MemoryBank
 from cmimem_jax.rl import read_metrics
 from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
+from cmimem_jax.task.curriculum import SessionRef
 from cmimem_jax.task.episode import policy_messages
 from cmimem_jax.task.loop import Trainer
 from cmimem_jax.task.snapshots import (TEACHER_LOG, expert_responses,
@@ -244,18 +246,23 @@ def test_the_trainer_uses_the_expert_states_and_never_rebuilds_them(
                  str(tmp_path / "run"))
   loop.policy.engine = CopyingEngine(loop.policy.tokenizer)
   expert = _banks(states)
+  responses = expert_responses(str(states))
   for ref in loop.curriculum.batch(0):
     dialogue = loop.dialogues[ref.dialogue]
     bank = loop.episode(ref).bank
     assert bank == expert[f"{dialogue.dialogue_id}/s{ref.session}"]
-    # The teacher's response is the reward's length reference.
-    assert loop.episode(ref).expert == expert_responses(str(states)).get(
-        (dialogue.dialogue_id, ref.session))
+    # The teacher's response is the reward's length reference; a dialogue's
+    # last session has none (never built): MemBuilder's formula without
+    # `expert_output`, not the absolute band.
+    assert loop.episode(ref).expert == responses.get(
+        (dialogue.dialogue_id, ref.session), NO_EXPERT_RESPONSE)
     if ref.session > 0:  # The policy prompt shows the expert's memories.
       prompt = loop.policy.tokenizer.decode(loop.policy.encode(
           policy_messages(bank, loop.episode(ref).session, loop.encoder,
                           loop.config.rollout.retrieval_top_k)))
       assert MARKER in prompt
+  last = SessionRef(0, len(loop.dialogues[0].sessions) - 1, 0.0)
+  assert loop.episode(last).expert is NO_EXPERT_RESPONSE
   snapshots = loop.snapshots
   loop.run()
   assert loop.snapshots is snapshots  # Nothing rebuilt at the epoch.
