@@ -75,6 +75,7 @@ def write_atomic(path: str, data: str | bytes) -> None:
   import tempfile
   payload = data.encode("utf-8") if isinstance(data, str) else data
   directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
   fd, staging = tempfile.mkstemp(
       dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
   try:
@@ -119,20 +120,6 @@ def write_figure(figure: Any, path: str, dpi: int = 120) -> None:
 def rewrite_jsonl(path: str, records: list[dict[str, Any]]) -> None:
   """Replaces a JSONL file atomically with `records`."""
   write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
-
-
-def write_atomic(path: str, data: str | bytes) -> None:
-  """Writes `path` whole or not at all: a temporary file in the same
-  directory, fsync'd, then `os.replace`d over it."""
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  temporary = os.path.join(directory, f".{os.path.basename(path)}."
-                           f"{os.getpid()}.tmp")
-  with open(temporary, "wb") as f:
-    f.write(data.encode() if isinstance(data, str) else data)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(temporary, path)
 
 
 def safe_name(identifier: str) -> str:
