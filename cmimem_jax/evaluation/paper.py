@@ -18,6 +18,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from cmimem_jax import storage
+
 # Our LongMemEval categories (its `question_type`s) as Table 3/9 columns.
 LONGMEMEVAL_COLUMNS = {
     "knowledge-update": "KU", "multi-session": "MS",
@@ -62,13 +64,12 @@ class OurResult:
 
   @classmethod
   def load(cls, workdir: str) -> OurResult:
-    with open(os.path.join(workdir, "results.json")) as f:
-      result = json.load(f)
-    settings_path = os.path.join(workdir, "settings.json")
+    result = json.loads(
+        storage.path(storage.join(workdir, "results.json")).read_text())
+    settings_path = storage.path(storage.join(workdir, "settings.json"))
     settings = {}
-    if os.path.exists(settings_path):
-      with open(settings_path) as f:
-        settings = json.load(f)
+    if settings_path.exists():
+      settings = json.loads(settings_path.read_text())
     return cls(os.path.basename(os.path.normpath(workdir)), result, settings)
 
   def columns(self, overall_column: str, without_category_5: bool = False

@@ -28,12 +28,14 @@ from typing import Any
 from absl import logging
 from tqdm import tqdm
 
+from cmimem_jax import storage
 from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
 from cmimem_jax.config import (qa_chunk_budget, register_section,
                                validate_config)
 from cmimem_jax.data import (Dialogue, Question, WorkdirLock,
                              configured_split, load_configured, path_under,
                              read_jsonl)
+from cmimem_jax.data.files import write_atomic
 from cmimem_jax.encoders import Encoder, make_encoder
 from cmimem_jax.evaluation.answering import (MemoryContext, QAContext, TurnRAG,
                                              answer_many)
@@ -126,7 +128,7 @@ def context_provider(dialogue: Dialogue, encoder: Encoder, config,
     return TurnRAG(dialogue, encoder, config.rag_top_k)
   directory = path_under(workdir, "banks", config.method,
                          dialogue.dialogue_id)
-  if os.path.exists(os.path.join(directory, "CURRENT")):
+  if storage.path(storage.join(directory, "CURRENT")).exists():
     bank = MemoryBank.load(directory)
   else:
     make = {"policy": policy_responder, "prompting": agents_responder}
@@ -220,7 +222,7 @@ def read_records(path: str) -> dict[str, dict]:
 def file_sha256(path: str) -> str:
   """The SHA-256 of a file's bytes (read in 1 MiB blocks)."""
   digest = hashlib.sha256()
-  with open(path, "rb") as f:
+  with storage.path(path).open("rb") as f:
     for block in iter(lambda: f.read(1 << 20), b""):
       digest.update(block)
   return digest.hexdigest()
@@ -270,11 +272,10 @@ def check_settings(workdir: str, settings: dict[str, Any]) -> None:
   Raises:
     ValueError: naming each setting that differs.
   """
-  path = os.path.join(workdir, SETTINGS_FILE)
-  if not os.path.exists(path):
+  path = storage.path(storage.join(workdir, SETTINGS_FILE))
+  if not path.exists():
     return
-  with open(path, encoding="utf-8") as f:
-    stored = json.load(f)
+  stored = json.loads(path.read_text())
   changed = [f"{k}: {stored.get(k)!r} -> {settings.get(k)!r}"
              for k in sorted(set(stored) | set(settings))
              if stored.get(k) != settings.get(k)]
@@ -289,10 +290,9 @@ def record_settings(workdir: str, settings: dict[str, Any]) -> None:
   """Writes `workdir/settings.json` (once: `check_settings` has refused
   other settings), when the run's inputs have been validated and before
   any result is written."""
-  path = os.path.join(workdir, SETTINGS_FILE)
-  if not os.path.exists(path):
-    with open(path, "w", encoding="utf-8") as f:
-      json.dump(settings, f, indent=1)
+  path = storage.join(workdir, SETTINGS_FILE)
+  if not storage.path(path).exists():
+    write_atomic(path, json.dumps(settings, indent=1))
 
 
 def calls_in_flight(model: ChatModel | None) -> int | None:
@@ -351,7 +351,7 @@ def evaluate(config, workdir: str) -> dict:
   # Refused before any model loads; recorded once they have.
   settings = result_settings(config)
   check_settings(workdir, settings)
-  path = os.path.join(workdir, "predictions.jsonl")
+  path = storage.join(workdir, "predictions.jsonl")
   # Scored and unscorable records are final; failed judgements are redone.
   done = {qid for qid, r in read_records(path).items()
           if r.get("score") is not None or r.get("unscorable")}
@@ -384,7 +384,7 @@ def evaluate(config, workdir: str) -> dict:
                            calls_in_flight(judge and judge.client)) if n]
   wave = min(in_flight) if in_flight else None
   start = time.perf_counter()
-  with open(path, "a", encoding="utf-8") as out, tqdm(
+  with storage.Appender(path) as out, tqdm(
       total=len(selected), initial=len(selected) - sum(
           len(v) for v in pending.values()), desc="questions",
       disable=None) as bar:
@@ -408,6 +408,6 @@ def evaluate(config, workdir: str) -> dict:
             ("judge", judge and judge.client)) if hasattr(model, "failures")}
   result = summarize(records, config, {"build": dict(failures), **calls})
   result["seconds"] = round(time.perf_counter() - start, 2)
-  with open(os.path.join(workdir, "results.json"), "w") as f:
-    json.dump(result, f, indent=1)
+  write_atomic(storage.join(workdir, "results.json"),
+               json.dumps(result, indent=1))
   return result

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import time
 from collections.abc import Callable
 
 import numpy as np
+
+from cmimem_jax import storage
 from cmimem_jax.cmi import RewardComputer, RewardConfig, RolloutInput
 from cmimem_jax.config import ConfigError, qa_chunk_budget, validate_config
 from cmimem_jax.data import Dialogue, WorkdirLock, load_configured, path_under
+from cmimem_jax.data.files import write_atomic
 from cmimem_jax.encoders import Encoder, make_encoder
 from cmimem_jax.memory import MemoryBank, lookup_chunks
 from cmimem_jax.memory.annotations import locomo_annotation_operations
@@ -154,6 +156,6 @@ def run(config, workdir: str | None) -> dict[str, dict]:
         "evidence_recall": {k: round(v, 3) for k, v in recall.items()}}
     print(json.dumps({dialogue.dialogue_id: summary[dialogue.dialogue_id]}))
   if workdir:
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=1)
+    write_atomic(storage.join(workdir, "summary.json"),
+                 json.dumps(summary, indent=1))
   return summary

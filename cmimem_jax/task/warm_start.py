@@ -29,11 +29,12 @@ import jax
 import numpy as np
 from absl import logging
 
+from cmimem_jax import storage
 from cmimem_jax.client import ChatModel
 from cmimem_jax.config import (Interrupted, finite_number,
                                register_section, validate_config,
                                write_config)
-from cmimem_jax.data.files import WorkdirLock
+from cmimem_jax.data.files import WorkdirLock, write_atomic
 from cmimem_jax.data.types import Dialogue, Session
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.evaluation.builders import policy_responder
@@ -159,10 +160,10 @@ def trimmed_count(records: Sequence[dict[str, Any]], top_k: int) -> int:
 
 
 def write_jsonl(path: str, records: Sequence[dict[str, Any]]) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w", encoding="utf-8") as f:
-    for record in records:
-      f.write(json.dumps(record) + "\n")
+  """Writes `records` as the JSONL file `path` (whole, atomically)."""
+  if not storage.is_remote(path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def _check_sft(c) -> None:
@@ -187,8 +188,8 @@ def _check_sft(c) -> None:
   c.check("sft.trim_retrieved", lambda v: isinstance(v, bool),
           "True or False (teacher prompts over sft.max_prompt_tokens "
           "written with fewer retrieved entries)")
-  c.check("sft.data", lambda v: isinstance(v, str) and os.path.isfile(v),
-          "an existing JSONL file (tools/make_sft_data.py writes one)")
+  c.check_location("sft.data", "an existing JSONL file "
+                   "(tools/make_sft_data.py writes one)")
 
 
 register_section("sft", _check_sft)
@@ -200,7 +201,7 @@ def _examples(path: str, tokenizer: Any, max_prompt: int, max_response: int
   dropped and counted."""
   eos = tokenizer.eos_token_id
   examples, too_long = [], 0
-  with open(path, encoding="utf-8") as f:
+  with storage.path(path).open("r") as f:
     for line in f:
       if not line.strip():
         continue
@@ -226,7 +227,7 @@ def run_sft(config, workdir: str,
   lock = WorkdirLock(workdir, "sft")
   if jax.process_index() == 0:
     lock.acquire()
-  os.makedirs(workdir, exist_ok=True)
+  storage.makedirs(workdir)
   if jax.process_index() == 0:
     write_config(config, workdir)
   sft = config.sft
