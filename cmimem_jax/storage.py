@@ -52,10 +52,10 @@ EMULATOR_ENV = "STORAGE_EMULATOR_HOST"
 # GCS refuses a composite object of more than 1024 components: an appended
 # object is rewritten whole (one component again) before it gets there.
 _MAX_COMPONENTS = 1000
-# A GCS bucket name's characters: lowercase letters, digits, dashes,
-# underscores and dots, starting and ending with a letter or digit (its
-# length is left to the service: an emulator takes `gs://b`).
-_BUCKET = re.compile(r"[a-z0-9]([a-z0-9._-]*[a-z0-9])?")
+# A GCS bucket name: 3-63 lowercase letters, digits, dashes, underscores
+# and dots (222 with dots), starting and ending with a letter or digit
+# (tensorstore, Orbax's array writer, refuses any other).
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
 _SCHEME_NAME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 # Schemes whose mangled URLs (`gs:bucket/x`) are refused, not taken for a
 # local directory with a colon in its name.
@@ -89,8 +89,9 @@ def check_location(location: PathLike) -> str:
                          f"use {_SUPPORTED}")
     bucket = rest.split("/", 1)[0]
     if not _BUCKET.fullmatch(bucket):
-      raise StorageError(f"{text}: {bucket!r} is not a bucket name (lowercase "
-                         "letters, digits, '-', '_' or '.')")
+      raise StorageError(f"{text}: {bucket!r} is not a GCS bucket name "
+                         "(3-63 lowercase letters, digits, '-', '_' or '.')"
+                         )
     return text
   first = text.split("/", 1)[0]
   scheme = first.split(":", 1)[0]

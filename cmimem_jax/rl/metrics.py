@@ -52,6 +52,7 @@ class _EventFiles:
   uploads the whole file at every flush)."""
 
   def open(self, location: str) -> storage.Appender:
+    storage.remove(location)  # A new file, as tensorboardX's local "wb".
     return storage.Appender(location, "ab")
 
   def directory_check(self, location: str) -> None:
