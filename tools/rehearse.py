@@ -16,12 +16,16 @@ SmolLM2's: a tokenizer mix-up fails), our own server
 OpenAI-compatible endpoint for the teacher, the QA synthesizer and the
 judge, whose formats a tiny model cannot write.
 
-Stages: standins -> serve -> synthesize_qa -> build_expert_states -> train
-(SIGTERM in the middle of step 1, then the same command resumes; the
-metrics hold steps 1..N once each) -> evaluate (at a kept checkpoint step,
-the LLM judge; no transport failures) -> compare_paper. One line per stage,
-then a table; the exit status is non-zero and names the first stage that
-failed.
+Stages: standins -> serve -> synthesize_qa -> build_expert_states ->
+bucket (the dataset and the expert states copied to a bucket, as
+`gcloud storage cp -r` would) -> train (SIGTERM in the middle of step 1,
+then the same command resumes; the metrics hold steps 1..N once each) ->
+evaluate (at a kept checkpoint step, the LLM judge; no transport failures)
+-> compare_paper. Train, evaluate and compare_paper run on the bucket as
+the TPU config documents (`--workdir=gs://...`): a GCS emulator
+(`tools/gcs_emulator.py`, fake-gcs-server) holds it, every client pointed
+there by `STORAGE_EMULATOR_HOST`. One line per stage, then a table; the
+exit status is non-zero and names the first stage that failed.
 
   python tools/rehearse.py --workdir=DIR     # or: make rehearsal
 """
@@ -45,7 +49,11 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from gcs_emulator import GcsEmulator  # noqa: E402
 from scripted_llm import ScriptedLLM  # noqa: E402
+
+from cmimem_jax import storage  # noqa: E402
+from cmimem_jax.rl import read_metrics  # noqa: E402
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PYTHON = sys.executable
@@ -55,6 +63,7 @@ DEVICES = 8  # The fake CPU devices the TPU config's mesh (fsdp:-1) spans.
 # Step 1 is interrupted, the resumed run trains step 2.
 TRAIN_STEPS = 2
 KEPT_STEP = 2  # checkpoint.keep_period: the step evaluation selects.
+BUCKET = "rehearsal"  # In the emulator; a user names their own.
 
 # Where each stage's command is written, as a user reads it:
 # (file, the command's first words).
@@ -72,12 +81,20 @@ DOCUMENTED = {
 }
 # Every change to those commands, per stage, by flag: sizes, paths and
 # endpoints only ("config.X" flags override config fields). "{work}",
-# "{serve}", "{scripted}" and "{port}" are filled in at run time (the
-# workdir, our server's URL and port, the scripted endpoint's URL).
+# "{bucket}", "{serve}", "{scripted}" and "{port}" are filled in at run
+# time (the workdir, gs://BUCKET, our server's URL and port, the scripted
+# endpoint's URL).
 CHECKPOINTS = {
     "config.dataset.path": "{work}/data/rl_qa.json",
     "config.encoder.path": "{work}/checkpoints/encoder",
     # The bundled sample's ids are in none of LongMemEval's partitions.
+    "config.dataset.split": "all",
+}
+# What train and evaluate read from the bucket (the `bucket` stage copies
+# them there).
+IN_BUCKET = {
+    "config.dataset.path": "{bucket}/data/rl_qa.json",
+    "config.encoder.path": "{work}/checkpoints/encoder",
     "config.dataset.split": "all",
 }
 RECIPE_OVERRIDES: dict[str, dict[str, object]] = {
@@ -90,9 +107,9 @@ RECIPE_OVERRIDES: dict[str, dict[str, object]] = {
         "base_url": "{scripted}", "model": "scripted",
     },
     "train": {
-        **CHECKPOINTS, "workdir": "{work}/train",
+        **IN_BUCKET, "workdir": "{bucket}/train",
         "config.policy.path": "{work}/checkpoints/policy",
-        "config.rl.snapshots": "{work}/expert_states",
+        "config.rl.snapshots": "{bucket}/expert_states",
         "config.qa.answer.base_url": "{serve}",
         "config.qa.answer.model": "cmimem-local",
         "config.qa.judge_endpoint.base_url": "{scripted}",
@@ -107,10 +124,10 @@ RECIPE_OVERRIDES: dict[str, dict[str, object]] = {
         "config.checkpoint.keep_period": KEPT_STEP,
     },
     "evaluate": {
-        **CHECKPOINTS, "workdir": "{work}/eval",
+        **IN_BUCKET, "workdir": "{bucket}/eval",
         "config.dataset.dialogues": 2,
         "config.builder.path": "{work}/checkpoints/policy",
-        "config.builder.init_checkpoint": "{work}/train",
+        "config.builder.init_checkpoint": "{bucket}/train",
         "config.builder.checkpoint_step": KEPT_STEP,
         "config.builder.max_new_tokens": 24,
         "config.builder.endpoint.max_tokens": 24,
@@ -121,7 +138,7 @@ RECIPE_OVERRIDES: dict[str, dict[str, object]] = {
         "config.judge.endpoint.max_tokens": 64,
         "config.memory.chunk_budget_chars": 4000,
     },
-    "compare_paper": {"results": "{work}/eval"},
+    "compare_paper": {"results": "{bucket}/eval"},
 }
 # Our server as the answer model: the stand-in policy, small shapes. (A
 # stand-in for an external LLM, not a config of the recipe.)
@@ -134,9 +151,10 @@ SERVE_OVERRIDES = {
     "config.serve.buckets": (2048, 8192),
     "config.serve.warm_up_prompt_tokens": (2048,),
 }
-# Values in a documented command that a user must replace.
+# Values in a documented command that a user must replace (`gs://...`: the
+# bucket).
 PLACEHOLDERS = re.compile(r"\.\.\.|\b(DIR|URL|NAME|HOST|DATA)\b|^/(data|ckpt|"
-                          r"runs)/|gs://")
+                          r"runs)/")
 
 
 def continued(lines: list[str], i: int) -> tuple[str, int]:
@@ -183,7 +201,7 @@ def apply_overrides(command: list[str], overrides: dict[str, object],
   named = {w.removeprefix("--").partition("=")[0] for w in command}
   for flag, value in overrides.items():
     if strict and flag not in named and re.search(
-        r"\{(work|serve|scripted)\}", str(value)):
+        r"\{(work|bucket|serve|scripted)\}", str(value)):
       raise ValueError(f"the documented command has no --{flag}=..., which "
                        "the run needs")
   todo = dict(overrides)
@@ -246,11 +264,7 @@ def _healthy(url: str) -> bool:
 
 
 def _metrics_steps(workdir: str) -> list[int]:
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line)["step"] for line in f if '"step"' in line]
+  return [m["step"] for m in read_metrics(workdir)]
 
 
 def _training_started(log: str) -> bool:
@@ -264,14 +278,14 @@ class Rehearsal:
 
   def __init__(self, workdir: str, echo: Callable[[str], None] = print):
     self.work = os.path.abspath(workdir)
-    if os.path.exists(os.path.join(self.work, "train")):
+    if os.path.exists(os.path.join(self.work, "logs")):
       raise ValueError(f"{self.work} already holds a rehearsal: use a new "
                        "--workdir")
     self.logs = os.path.join(self.work, "logs")
     os.makedirs(self.logs, exist_ok=True)
     self.echo = echo
     self.stages: list[Stage] = []
-    self.fill = {"work": self.work}
+    self.fill = {"work": self.work, "bucket": f"gs://{BUCKET}"}
     self.env = dict(os.environ)
     # Compiled programs survive the SIGTERM and the resume.
     self.env.setdefault("JAX_COMPILATION_CACHE_DIR",
@@ -280,6 +294,7 @@ class Rehearsal:
     self.env["XLA_FLAGS"] = (self.env.get("XLA_FLAGS", "") + " --xla_force_"
                              f"host_platform_device_count={DEVICES}").strip()
     self.server: subprocess.Popen | None = None
+    self.emulator: GcsEmulator | None = None
 
   # --- stages ---------------------------------------------------------------
 
@@ -316,6 +331,16 @@ class Rehearsal:
     return ", ".join(f"{k} {v}" for k, v in counts.items()
                      if k not in ("output",) and not isinstance(v, dict))
 
+  def bucket(self) -> str:
+    """The bucket the TPU commands name, holding the data they read."""
+    fs = self.emulator.fs
+    self.emulator.bucket(BUCKET)
+    fs.put_file(f"{self.work}/data/rl_qa.json", f"{BUCKET}/data/rl_qa.json")
+    fs.put(f"{self.work}/expert_states", f"{BUCKET}/expert_states",
+           recursive=True)
+    return (f"gs://{BUCKET} at {self.emulator.url}: "
+            f"{len(self.emulator.objects(BUCKET))} objects")
+
   def serve_ready(self, timeout_s: float = 300) -> str:
     health = self.fill["serve"].removesuffix("/v1") + "/health"
     deadline = time.monotonic() + timeout_s
@@ -330,7 +355,7 @@ class Rehearsal:
     return f"{health} is 200"
 
   def train(self) -> str:
-    workdir = f"{self.work}/train"
+    workdir = f"gs://{BUCKET}/train"
     command = self._command("train")
     log = self._log("train")
     first = subprocess.Popen(command, cwd=REPO, env=self.env,
@@ -363,10 +388,9 @@ class Rehearsal:
             f"steps {steps[0]}..{steps[-1]} once each")
 
   def evaluate(self) -> str:
-    workdir = f"{self.work}/eval"
+    workdir = f"gs://{BUCKET}/eval"
     _run(self._command("evaluate"), self._log("evaluate"), self.env)
-    with open(os.path.join(workdir, "results.json")) as f:
-      results = json.load(f)
+    results = json.loads(storage.path(f"{workdir}/results.json").read_text())
     n, failures = results.get("n", 0), results.get("failures", -1)
     calls = {role: results.get("call_failures", {}).get(role, {}).get(
         "failed_calls", {}) for role in ("answer", "judge")}
@@ -407,8 +431,11 @@ class Rehearsal:
 
   @contextlib.contextmanager
   def _endpoints(self) -> Iterator[None]:
-    with ScriptedLLM() as scripted:
+    with ScriptedLLM() as scripted, GcsEmulator(
+        os.path.join(self.work, "gcs")) as emulator:
       self.fill["scripted"] = scripted.base_url
+      self.emulator = emulator
+      self.env["STORAGE_EMULATOR_HOST"] = emulator.url
       try:
         yield
       finally:
@@ -423,7 +450,7 @@ class Rehearsal:
     plan = [("standins", self.standins), ("serve", self.serve_start),
             ("synthesize_qa", self.synthesize_qa),
             ("build_expert_states", self.build_expert_states),
-            ("serve_ready", self.serve_ready), ("train", self.train),
+            ("bucket", self.bucket), ("serve_ready", self.serve_ready), ("train", self.train),
             ("evaluate", self.evaluate), ("compare_paper", self.compare_paper)]
     started = time.monotonic()
     with self._endpoints():

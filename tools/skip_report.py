@@ -25,6 +25,7 @@ dataset cannot be read. Never modifies a file: a running run can be read.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import pathlib
@@ -37,6 +38,7 @@ sys.path.insert(0, REPO)
 
 import ml_collections  # noqa: E402
 
+from cmimem_jax import storage  # noqa: E402
 from cmimem_jax.config import CONFIG_FILE  # noqa: E402
 from cmimem_jax.data.fragments import user_statements  # noqa: E402
 from cmimem_jax.data.types import Dialogue  # noqa: E402
@@ -81,9 +83,9 @@ def run_kinds(workdir: str) -> dict[str, str]:
   """The session kinds of the run in `workdir`, from its config.json. A
   relative dataset path is read from here or, failing that, from the
   repository root (where the documented commands run)."""
-  with open(os.path.join(workdir, CONFIG_FILE), encoding="utf-8") as f:
-    dataset = ml_collections.ConfigDict(json.load(f)["dataset"])
-  if not os.path.exists(dataset.path):
+  dataset = ml_collections.ConfigDict(json.loads(storage.path(
+      storage.join(workdir, CONFIG_FILE)).read_text())["dataset"])
+  if not storage.path(dataset.path).exists():
     from_root = os.path.join(REPO, dataset.path)
     if os.path.isabs(dataset.path) or not os.path.exists(from_root):
       raise FileNotFoundError(
@@ -151,8 +153,10 @@ def plot(runs: dict[str, list[dict[str, Any]]],
     ax.legend(fontsize=8, loc="upper left")
   axes[0][0].set_ylabel("semantic SKIPs (rollouts)")
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  image = io.BytesIO()
+  fig.savefig(image, format="png", dpi=120)
   plt.close(fig)
+  storage.write_atomic(path, image.getvalue())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -175,7 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       parser.error(f"--steps={args.steps}: FIRST is after LAST")
   counts, runs, kinds = {}, {}, {}
   for workdir in args.workdirs:
-    if not os.path.isdir(workdir):
+    try:
+      found = storage.path(workdir).is_dir()
+    except storage.StorageError as e:
+      print(e, file=sys.stderr)
+      return 1
+    if not found:
       print(f"{workdir}: no such directory", file=sys.stderr)
       return 1
     logged = read_rollouts(workdir)
@@ -200,8 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     counts["pooled"] = pooled(counts[w] for w in args.workdirs)
   print(markdown(counts))
   if args.output:
-    with open(args.output, "w", encoding="utf-8") as f:
-      json.dump(counts, f, indent=1)
+    storage.write_atomic(args.output, json.dumps(counts, indent=1))
   if args.plot:
     plot(runs, kinds, counts, args.plot)
   return 0

@@ -232,8 +232,9 @@ class WorkdirLock:
     raise WorkdirBusy(f"could not take {self.path}")
 
   def _refresh(self, content: str) -> None:
-    """Rewrites the remote lock every `lease_s / 4` s while it is held."""
-    while not self._stop_refresh.wait(self.lease_s / 4):
+    """Rewrites the remote lock every `lease_s / 4` s (at least 1 s) while
+    it is held."""
+    while not self._stop_refresh.wait(max(self.lease_s / 4, 1.0)):
       try:
         storage.write_atomic(self.path, content)
       except OSError as e:  # Logged; the next refresh tries again.

@@ -104,7 +104,7 @@ def make_chat_model(section: Any, constraint_regex: str | None = None
   from cmimem_jax.sampling import (ChatPolicy, TokenConstraint,
                                    check_vocabulary,
                                    checkpoint_tokenizer_path, load_tokenizer)
-  path = section.path or smollm2_gguf_path()
+  path = storage.require_local(section.path, "path") or smollm2_gguf_path()
   # The checkpoint's own tokenizer, as training reads it.
   tokenizer = load_tokenizer(checkpoint_tokenizer_path(path))
   model = load_hf(path) if os.path.isdir(path) else load_gguf(path)
