@@ -171,7 +171,14 @@ def _preflight(location: str) -> None:
              if os.environ.get(EMULATOR_ENV) else url)
     raise StorageError(f"{location}: cannot reach {where}: {e}") from None
   try:
-    found = fs.exists(bucket)
+    fs.call("GET", f"b/{bucket}", json_out=True)
+    found = True
+  except FileNotFoundError:
+    found = False
+  except OSError as e:
+    # 403: credentials with object access only (no storage.buckets.get)
+    # may still read and write it; the first access says if not.
+    found = "Forbidden" in str(e)
   except Exception as e:  # noqa: BLE001 - any client error, in one line.
     raise StorageError(f"{location}: cannot read bucket {key}: "
                        f"{_one_line(e)}") from None

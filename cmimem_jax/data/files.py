@@ -246,9 +246,13 @@ class WorkdirLock:
       return
     self._held = False
     self._stop_refresh.set()
-    holder, mine = self._holder(), self._mine()
-    if holder and all(holder.get(k) == mine[k] for k in ("pid", "host")):
-      storage.remove(self.path)
+    try:
+      holder, mine = self._holder(), self._mine()
+      if holder and all(holder.get(k) == mine[k] for k in ("pid", "host")):
+        storage.remove(self.path)
+    except (OSError, RuntimeError) as e:  # E.g. the bucket unreachable.
+      logging.warning("%s: could not release the lock (%s); the next run "
+                      "takes it over once its holder is gone", self.path, e)
 
   def __enter__(self) -> WorkdirLock:
     return self.acquire()

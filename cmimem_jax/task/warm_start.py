@@ -277,6 +277,7 @@ def run_sft(config, workdir: str,
                         {"epoch": epoch})
 
   with contextlib.ExitStack() as stack:
+    stack.callback(lock.release)  # Last: once everything is written.
     stack.callback(writer.close)
     stack.callback(checkpointer.wait)
     stop = stack.enter_context(StopSignals())
