@@ -103,9 +103,10 @@ def check_location(location: PathLike) -> str:
   return text
 
 
-def _configure_emulator() -> None:
+def configure_clients() -> None:
   """Points every GCS client at `STORAGE_EMULATOR_HOST` when it is set
-  (a user's own setting of any variable wins), and turns gcsfs's listing
+  (a user's own setting of any variable wins; call it again after setting
+  it), and turns gcsfs's listing
   cache off in every instance (ours and the one `etils.epath`, hence
   Orbax, makes): a workdir's objects change under another process (a
   trainer writing while a report reads), and Orbax's arrays arrive through
@@ -123,22 +124,11 @@ def _configure_emulator() -> None:
   fsspec.config.conf["gcs"].setdefault("token", "anon")
 
 
-def _endpoint() -> tuple[str, int, str]:
-  """(host, port, URL) of the GCS endpoint the clients will call."""
-  host = os.environ.get(EMULATOR_ENV, "")
-  if host in ("", "default"):
-    return "storage.googleapis.com", 443, "https://storage.googleapis.com"
-  url = host if host.startswith(("http://", "https://")) else f"http://{host}"
-  parsed = urllib.parse.urlsplit(url)
-  return (parsed.hostname or "localhost",
-          parsed.port or (443 if parsed.scheme == "https" else 80), url)
-
-
 def filesystem(scheme: str = "gs") -> Any:
   """The fsspec filesystem of `scheme` (`StorageError` with the install
   hint when its client is not installed)."""
   module, hint = SCHEMES[scheme]
-  _configure_emulator()
+  configure_clients()
   try:
     __import__(module)
   except ImportError:
@@ -163,29 +153,27 @@ def _preflight(location: str) -> None:
     if key in _checked:
       return
   fs = filesystem(scheme)
-  host, port, url = _endpoint()
+  url = fs._location  # Where gcsfs sends its requests (the emulator's).
+  parsed = urllib.parse.urlsplit(url)
   try:
-    socket.create_connection((host, port), timeout=10).close()
+    socket.create_connection((parsed.hostname, parsed.port or (
+        443 if parsed.scheme == "https" else 80)), timeout=10).close()
   except OSError as e:
     where = (f"the GCS emulator at {url} ({EMULATOR_ENV})"
              if os.environ.get(EMULATOR_ENV) else url)
     raise StorageError(f"{location}: cannot reach {where}: {e}") from None
   try:
     fs.call("GET", f"b/{bucket}", json_out=True)
-    found = True
   except FileNotFoundError:
-    found = False
-  except OSError as e:
-    # 403: credentials with object access only (no storage.buckets.get)
-    # may still read and write it; the first access says if not.
-    found = "Forbidden" in str(e)
-  except Exception as e:  # noqa: BLE001 - any client error, in one line.
-    raise StorageError(f"{location}: cannot read bucket {key}: "
-                       f"{_one_line(e)}") from None
-  if not found:
     raise StorageError(f"{location}: bucket {key} does not exist (or these "
                        f"credentials cannot see it); create it first: "
-                       f"gcloud storage buckets create {key}")
+                       f"gcloud storage buckets create {key}") from None
+  except Exception as e:  # noqa: BLE001 - any client error, in one line.
+    # 403: credentials with object access only (no storage.buckets.get)
+    # may still read and write it; the first access says if not.
+    if "Forbidden" not in str(e):
+      raise StorageError(f"{location}: cannot read bucket {key}: "
+                         f"{_one_line(e)}") from None
   with _checked_lock:
     _checked.add(key)
 

@@ -146,7 +146,10 @@ def test_sft_in_a_bucket_warm_starts_train_on_a_dataset_in_the_bucket(
                         jax.tree.leaves(jax.device_get(saved))):
     np.testing.assert_array_equal(ours, want)
   loop.lock.release()
-  assert not os.path.exists(tmp_path / "gs:")
+  # Both runs' files are in the bucket, nothing under a local `gs:`.
+  assert gcs.fs.exists("warm-start/sft/checkpoints/2/commit_success.txt")
+  assert gcs.fs.exists("warm-start/rl/config.json")
+  assert not os.path.exists(os.path.join(os.getcwd(), "gs:"))
 
 
 def test_plan_reads_a_checkpoints_architecture_from_a_bucket(gcs, tmp_path):

@@ -121,8 +121,13 @@ def test_workdir_lock_on_gcs_names_its_holder_and_expires_with_its_lease(
   successor.release()
 
 
-def test_metrics_resume_rule_and_tensorboard_on_gcs(gcs):
+def test_metrics_resume_rule_and_tensorboard_on_gcs(gcs, monkeypatch):
   run = gcs.bucket("metrics-test") + "/run"
+  # Event files go through the path layer's appends, never tensorboardX's
+  # own gs:// writer (google-cloud-storage, the whole file uploaded again
+  # at every flush): switched off here, it would fail if it were used.
+  from tensorboardX import record_writer
+  monkeypatch.setattr(record_writer, "GCS_ENABLED", False)
   writer = MetricsWriter(run, tensorboard=True, progress=False,
                          rollouts=True)
   for step in (1, 2, 3):
@@ -229,3 +234,24 @@ def test_train_refuses_a_location_nobody_can_use_before_any_work(gcs,
     assert os.listdir(cwd) == [], location
     shutil.rmtree(cwd)
   assert gcs.objects("untouched") == []
+
+
+def test_a_bucket_that_refuses_writes_is_one_line_at_the_lock(gcs,
+                                                              monkeypatch):
+  """GCS answers 403 to a write without storage.objects.create (gcsfs
+  raises `OSError("Forbidden: ...")`; the emulator has no permissions, so
+  its upload is made to answer so): the lock, a job's first write, stops
+  it with what to do, and nothing is written."""
+  run = gcs.bucket("read-only") + "/run"
+
+  def forbidden(path, *args, **kwargs):
+    raise OSError(f"Forbidden: {path}\ncaller does not have "
+                  "storage.objects.create access")
+
+  assert storage.filesystem() is gcs.fs  # The one every write goes through.
+  monkeypatch.setattr(gcs.fs, "pipe_file", forbidden)
+  with pytest.raises(storage.StorageError, match="refuses writes.*"
+                     "storage.objects.create") as caught:
+    WorkdirLock(run, "train").acquire()
+  assert "\n" not in str(caught.value)
+  assert gcs.objects("read-only") == []

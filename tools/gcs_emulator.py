@@ -24,7 +24,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-# What `use` sets (directly or through `storage._configure_emulator`).
+# What `use` sets (directly or through `storage.configure_clients`).
 VARIABLES = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
              "GOOGLE_AUTH_TOKEN_FOR_TESTING",
              "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
@@ -66,7 +66,7 @@ class GcsEmulator:
     for key in VARIABLES[1:]:  # Set afresh for this emulator.
       os.environ.pop(key, None)
     os.environ["STORAGE_EMULATOR_HOST"] = self.url
-    storage._configure_emulator()
+    storage.configure_clients()
     self.fs = storage.filesystem()
 
   def bucket(self, name: str) -> str:
