@@ -124,9 +124,9 @@ def configure_clients() -> None:
   fsspec.config.conf["gcs"].setdefault("token", "anon")
 
 
-def filesystem(scheme: str = "gs") -> Any:
-  """The fsspec filesystem of `scheme` (`StorageError` with the install
-  hint when its client is not installed)."""
+def _require_client(scheme: str) -> None:
+  """`StorageError` with the install hint when `scheme`'s client is not
+  installed."""
   module, hint = SCHEMES[scheme]
   configure_clients()
   try:
@@ -134,6 +134,11 @@ def filesystem(scheme: str = "gs") -> Any:
   except ImportError:
     raise StorageError(f"{scheme}:// paths need {module}, which is not "
                        f"installed: {hint}") from None
+
+
+def filesystem(scheme: str = "gs") -> Any:
+  """The fsspec filesystem of `scheme` (its client checked first)."""
+  _require_client(scheme)
   import fsspec
   return fsspec.filesystem("gcs" if scheme == "gs" else scheme)
 
@@ -152,8 +157,11 @@ def _preflight(location: str) -> None:
   with _checked_lock:
     if key in _checked:
       return
-  fs = filesystem(scheme)
-  url = fs._location  # Where gcsfs sends its requests (the emulator's).
+  _require_client(scheme)
+  # Where gcsfs will send its requests (the emulator's, if set), asked
+  # before it looks for credentials (seconds where there are none).
+  from gcsfs.core import _location
+  url = _location()
   parsed = urllib.parse.urlsplit(url)
   try:
     socket.create_connection((parsed.hostname, parsed.port or (
@@ -162,6 +170,7 @@ def _preflight(location: str) -> None:
     where = (f"the GCS emulator at {url} ({EMULATOR_ENV})"
              if os.environ.get(EMULATOR_ENV) else url)
     raise StorageError(f"{location}: cannot reach {where}: {e}") from None
+  fs = filesystem(scheme)
   try:
     fs.call("GET", f"b/{bucket}", json_out=True)
   except FileNotFoundError:
