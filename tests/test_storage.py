@@ -255,3 +255,21 @@ def test_a_bucket_that_refuses_writes_is_one_line_at_the_lock(gcs,
     WorkdirLock(run, "train").acquire()
   assert "\n" not in str(caught.value)
   assert gcs.objects("read-only") == []
+
+
+def test_a_held_remote_lock_is_refreshed_and_never_taken_back(gcs, caplog):
+  run = gcs.bucket("refresh-test") + "/run"
+  lock = WorkdirLock(run, "train", lease_s=4.0)  # Refreshed every 1 s.
+  lock.acquire()
+  first = storage.path(f"{run}/.lock").stat().mtime
+  time.sleep(2.5)
+  assert storage.path(f"{run}/.lock").stat().mtime > first
+  # Its lease missed, a successor on another host took it over: the
+  # holder stops refreshing (it would overwrite the successor's lock).
+  successor = json.dumps({"pid": 7, "host": "tpu-vm-1", "job": "train"})
+  write_atomic(f"{run}/.lock", successor)
+  time.sleep(2.5)
+  assert storage.path(f"{run}/.lock").read_text() == successor
+  assert "was taken over by train (pid 7 on tpu-vm-1)" in caplog.text
+  lock.release()  # Not its lock any more: left in place.
+  assert storage.path(f"{run}/.lock").read_text() == successor

@@ -233,9 +233,18 @@ class WorkdirLock:
 
   def _refresh(self, content: str) -> None:
     """Rewrites the remote lock every `lease_s / 4` s (at least 1 s) while
-    it is held."""
+    it is held; stops, with an error, if another process took it over (this
+    one was unreachable for a whole lease)."""
+    mine = json.loads(content)
     while not self._stop_refresh.wait(max(self.lease_s / 4, 1.0)):
       try:
+        holder = self._holder()
+        if holder and any(holder.get(k) != mine[k] for k in ("pid", "host")):
+          logging.error("%s: the lock was taken over by %s (pid %s on %s) "
+                        "after this process missed its lease; both now "
+                        "write to %s", self.path, holder.get("job", "?"),
+                        holder.get("pid"), holder.get("host"), self.workdir)
+          return
         storage.write_atomic(self.path, content)
       except OSError as e:  # Logged; the next refresh tries again.
         logging.warning("%s: could not refresh the lock: %s", self.path, e)
