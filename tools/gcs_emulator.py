@@ -15,7 +15,9 @@ of log have piled up (a tiny training run's requests do).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +30,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 VARIABLES = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
              "GOOGLE_AUTH_TOKEN_FOR_TESTING",
              "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
+
+
+def _die_with_parent() -> None:
+  """In the server's process before it starts (Linux): it gets SIGTERM
+  when the process that started it dies, however that dies (a killed test
+  run leaves no emulator behind)."""
+  try:
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+  except (OSError, AttributeError):
+    pass
 
 
 class GcsEmulator:
@@ -45,7 +57,8 @@ class GcsEmulator:
         [str(_get_binary_path()), "-scheme", "http", "-backend",
          "filesystem", "-filesystem-root", os.path.join(root, "objects"),
          "-host", "127.0.0.1", "-port", str(port), "-external-url", self.url,
-         "-log-level", "error"], stdout=self._log, stderr=subprocess.STDOUT)
+         "-log-level", "error"], stdout=self._log, stderr=subprocess.STDOUT,
+        preexec_fn=_die_with_parent)
     self._saved: dict[str, str | None] = {}
     deadline = time.monotonic() + start_timeout_s
     while True:
@@ -104,6 +117,8 @@ def main() -> None:
   parser.add_argument("--bucket", action="append", default=[],
                       help="a bucket to create (repeatable)")
   args = parser.parse_args()
+  # SIGTERM stops it as Ctrl-C does.
+  signal.signal(signal.SIGTERM, signal.default_int_handler)
   with GcsEmulator(args.root) as emulator:
     for name in args.bucket:
       emulator.bucket(name)
@@ -111,8 +126,9 @@ def main() -> None:
     try:
       while True:
         time.sleep(3600)
-    except KeyboardInterrupt:
-      pass
+    except KeyboardInterrupt:  # Stopping: a second signal waits for it.
+      signal.signal(signal.SIGINT, signal.SIG_IGN)
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 if __name__ == "__main__":
