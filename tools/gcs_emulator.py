@@ -15,8 +15,8 @@ of log have piled up (a tiny training run's requests do).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,14 +32,14 @@ VARIABLES = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
              "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
 
 
-def _die_with_parent() -> None:
-  """In the server's process before it starts (Linux): it gets SIGTERM
-  when the process that started it dies, however that dies (a killed test
-  run leaves no emulator behind)."""
-  try:
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-  except (OSError, AttributeError):
-    pass
+def _dying_with_parent(command: list[str]) -> list[str]:
+  """`command` under util-linux's `setpriv --pdeathsig TERM` where it is
+  installed: the server gets SIGTERM when the process that started it
+  dies, however that dies (a killed test run leaves no emulator behind).
+  Not a `preexec_fn`: Python code between fork and exec in a process with
+  JAX's threads can deadlock."""
+  setpriv = shutil.which("setpriv")
+  return [setpriv, "--pdeathsig", "TERM", *command] if setpriv else command
 
 
 class GcsEmulator:
@@ -53,12 +53,11 @@ class GcsEmulator:
     self.url = f"http://127.0.0.1:{port}"
     os.makedirs(root, exist_ok=True)
     self._log = open(os.path.join(root, "server.log"), "w")
-    self._process = subprocess.Popen(
+    self._process = subprocess.Popen(_dying_with_parent(
         [str(_get_binary_path()), "-scheme", "http", "-backend",
          "filesystem", "-filesystem-root", os.path.join(root, "objects"),
          "-host", "127.0.0.1", "-port", str(port), "-external-url", self.url,
-         "-log-level", "error"], stdout=self._log, stderr=subprocess.STDOUT,
-        preexec_fn=_die_with_parent)
+         "-log-level", "error"]), stdout=self._log, stderr=subprocess.STDOUT)
     self._saved: dict[str, str | None] = {}
     deadline = time.monotonic() + start_timeout_s
     while True:
