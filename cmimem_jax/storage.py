@@ -20,6 +20,11 @@ renames and no partial objects, so each writer says what it does there:
   side: a flush sends the new bytes, never the whole file). Flushed as
   often as the local file is (every record), a preempted run loses what a
   killed local run loses, and the resume rule of its readers is the same.
+  Not one object per step: every reader (skip_report, the summaries,
+  TensorBoard) keeps reading one file. Not a local spool uploaded at each
+  checkpoint: the job would write to the VM's disk, and the bucket would
+  lag the run by up to a checkpoint interval for whoever reads it. Cost:
+  three requests per flush.
 - `create_new`: local `O_EXCL`; on GCS an upload with the precondition
   `ifGenerationMatch=0` (create only if absent): the workdir lock.
 
