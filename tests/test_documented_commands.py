@@ -186,7 +186,7 @@ COMMANDS: dict[str, str | NotRun] = {
         NotRun("installs from the network; `make install` installs the "
                "gcs extra, which the gs:// tests use",
                ("tests/test_gcs_workdir.py::"
-                "test_train_on_a_bucket_resumes_after_sigterm_and_kill_9",
+                "test_train_on_a_bucket_resumes_after_kill_9",
                 "tests/test_storage.py::"
                 "test_a_missing_bucket_client_or_endpoint_is_one_line")),
     "pip install -e .[tpu]":
