@@ -3,7 +3,6 @@
 import atexit
 import os
 import shutil
-import sys
 import tempfile
 
 # Appended, not set-if-absent: a user's own XLA_FLAGS must not silently
@@ -55,10 +54,6 @@ if jax.default_backend() == "cpu" and len(jax.devices()) != 8:
       f" initialised before tests/conftest.py set XLA_FLAGS ({_DEVICES})")
 
 from cmimem_jax.encoders import HashingEncoder  # noqa: E402
-
-# The tools' stand-ins (tools/gcs_emulator.py, ...) import by name.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent
-                       / "tools"))
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -138,8 +133,12 @@ def compiles() -> CompileCounter:
 def gcs(tmp_path_factory):
   """One GCS emulator (`tools/gcs_emulator.py`) per test session (worker),
   `STORAGE_EMULATOR_HOST` pointing at it; tests make their own buckets."""
-  from gcs_emulator import GcsEmulator
-  emulator = GcsEmulator(str(tmp_path_factory.mktemp("gcs")))
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "gcs_emulator", REPO / "tools" / "gcs_emulator.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  emulator = module.GcsEmulator(str(tmp_path_factory.mktemp("gcs")))
   emulator.use()
   yield emulator
   emulator.stop()
