@@ -100,7 +100,7 @@ def check_location(location: PathLike) -> str:
     return text
   first = text.split("/", 1)[0]
   scheme = first.split(":", 1)[0]
-  if first.endswith(":") and _SCHEME_NAME.fullmatch(scheme) or (
+  if (first.endswith(":") and _SCHEME_NAME.fullmatch(scheme)) or (
       ":" in first and scheme.lower() in _KNOWN_SCHEMES):
     raise StorageError(f"{text}: looks like a {scheme}:// URL missing a "
                        f"slash (it would be a local directory named "
@@ -109,13 +109,12 @@ def check_location(location: PathLike) -> str:
 
 
 def configure_clients() -> None:
-  """Points every GCS client at `STORAGE_EMULATOR_HOST` when it is set
-  (a user's own setting of any variable wins; call it again after setting
-  it), and turns gcsfs's listing
-  cache off in every instance (ours and the one `etils.epath`, hence
-  Orbax, makes): a workdir's objects change under another process (a
-  trainer writing while a report reads), and Orbax's arrays arrive through
-  tensorstore, unseen by gcsfs."""
+  """Points every GCS client at `STORAGE_EMULATOR_HOST` when it is set (a
+  user's own setting of any variable wins; called before every first use
+  of a bucket), and turns gcsfs's listing cache off in every instance
+  (ours and the one `etils.epath`, hence Orbax, makes): a workdir's objects
+  change under another process (a trainer writing while a report reads),
+  and Orbax's arrays arrive through tensorstore, unseen by gcsfs."""
   import fsspec
   fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache",
                                                       False)
