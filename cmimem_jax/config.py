@@ -18,6 +18,8 @@ from typing import Any
 
 import ml_collections
 
+from cmimem_jax import storage
+
 
 DATASETS = ("longmemeval", "locomo", "memoryagentbench")
 # "" = the job's default (`data.registry.default_split`); the others are
@@ -95,6 +97,26 @@ class _Checker:
     if not ok:
       self.problems.append(f"{path}={value!r}: must be {requirement}")
 
+  def check_location(self, path: str, requirement: str,
+                     directory: bool = False) -> None:
+    """`path` names an existing file (or `directory`), local or on object
+    storage; a location that cannot be used says why."""
+    value = self.get(path)
+    if value is _MISSING:
+      self.problems.append(f"{path}: missing")
+      return
+    if not isinstance(value, str):
+      self.problems.append(f"{path}={value!r}: must be {requirement}")
+      return
+    try:
+      target = storage.path(value)
+      ok = target.is_dir() if directory else target.exists()
+    except storage.StorageError as e:
+      self.problems.append(f"{path}: {e}")
+      return
+    if not ok:
+      self.problems.append(f"{path}={value!r}: must be {requirement}")
+
 
 def _positive_int(value: object) -> bool:
   return isinstance(value, int) and not isinstance(value, bool) and value > 0
@@ -113,8 +135,8 @@ def _fraction(value: object) -> bool:
 
 def _check_dataset(c: _Checker) -> None:
   c.check("dataset.name", lambda v: v in DATASETS, f"one of {DATASETS}")
-  c.check("dataset.path", lambda v: isinstance(v, str) and os.path.exists(v),
-          "an existing file (see README for where the benchmarks live)")
+  c.check_location("dataset.path", "an existing file (see README for where "
+                   "the benchmarks live)")
   if c.get("dataset.split") is not _MISSING:
     c.check("dataset.split", lambda v: v in DATASET_SPLITS,
             f"one of {DATASET_SPLITS} ('': the job's default)")
@@ -369,6 +391,10 @@ def run_command(main: Callable[[list[str]], None], workdir: bool = True
     # Before anything compiles: restarts load the programs compiled before.
     enable_compilation_cache()
     try:
+      if workdir and flags.FLAGS.workdir:
+        # A location nobody can write (a mangled URL, a missing client or
+        # bucket) is refused before anything loads or compiles.
+        storage.path(flags.FLAGS.workdir)
       main(argv)
     except Interrupted as e:
       print(str(e), file=sys.stderr)
@@ -465,3 +491,11 @@ def config_json(config: ml_collections.ConfigDict) -> str:
   it was started (or last resumed) with, overrides included, so a workdir
   says what produced it."""
   return config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
+
+
+def write_config(config: ml_collections.ConfigDict, workdir: str) -> str:
+  """Writes `config_json(config)` to `workdir/config.json` (local or object
+  storage, atomically); returns the path."""
+  path = storage.join(workdir, CONFIG_FILE)
+  storage.write_atomic(path, config_json(config))
+  return path

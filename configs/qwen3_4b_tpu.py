@@ -2,6 +2,7 @@
 the Qwen3-Embedding encoder in process, bf16 compute with full remat, the
 Pallas splash-attention kernel (`policy.attention_impl="auto"` on TPU).
 
+  pip install -e ".[gcs]"   # gs:// workdirs (gcsfs)
   python -m cmimem_jax.train --config=configs/qwen3_4b_tpu.py --workdir=gs://... \
       --config.policy.path=/ckpt/Qwen3-4B-Instruct-2507 \
       --config.encoder.path=/ckpt/Qwen3-Embedding-0.6B \
@@ -14,7 +15,8 @@ Pallas splash-attention kernel (`policy.attention_impl="auto"` on TPU).
 `tools/skip_calibration.py` the encoder's Semantic SKIP thresholds in
 `/data/skip_calibration.json`: without them the run refuses to start;
 `tools/rehearse.py` runs this command on a CPU with sizes, paths and
-endpoints changed.)
+endpoints changed, its workdir, dataset and expert states in a bucket of
+a GCS emulator. A preempted VM's successor resumes with the same command.)
 
 Table 7 as written (prompts up to 20,000 tokens, responses up to 6,000,
 32 sessions x 8 rollouts per step, 32 micro-batches) fits a v5p-8,

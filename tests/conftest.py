@@ -127,3 +127,18 @@ _COMPILES = CompileCounter()
 def compiles() -> CompileCounter:
   """The process-wide compile counter: compare `.count` before and after."""
   return _COMPILES
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+  """One GCS emulator (`tools/gcs_emulator.py`) per test session (worker),
+  `STORAGE_EMULATOR_HOST` pointing at it; tests make their own buckets."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "gcs_emulator", REPO / "tools" / "gcs_emulator.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  emulator = module.GcsEmulator(str(tmp_path_factory.mktemp("gcs")))
+  emulator.use()
+  yield emulator
+  emulator.stop()

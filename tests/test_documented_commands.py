@@ -193,6 +193,13 @@ COMMANDS: dict[str, str | NotRun] = {
     # --- README "## Serving, GPU / vLLM, and scale" ----------------------
     "python -m cmimem_jax.serve --config=configs/serve_cpu.py --port=*":
         "rehearsal:serve",
+    "pip install -e .[gcs]":
+        NotRun("installs from the network; `make install` installs the "
+               "gcs extra, which the gs:// tests use",
+               ("tests/test_gcs_workdir.py::"
+                "test_train_on_a_bucket_resumes_after_kill_9",
+                "tests/test_storage.py::"
+                "test_a_missing_bucket_client_or_endpoint_is_one_line")),
     "pip install -e .[tpu]":
         NotRun("installs from the network; `make install`'s test extra "
                "installs the same jax[tpu], which the v5p-8 plans import",

@@ -53,8 +53,8 @@ def test_the_rehearsal_overrides_only_sizes_paths_and_endpoints():
 
 
 def test_every_stage_runs_its_documented_command():
-  fill = {"work": "/w", "serve": "http://s/v1", "scripted": "http://x/v1",
-          "port": "1"}
+  fill = {"work": "/w", "bucket": "gs://b", "serve": "http://s/v1",
+          "scripted": "http://x/v1", "port": "1"}
   for stage, (path, opening) in rehearse.DOCUMENTED.items():
     command = rehearse.documented_command(path, opening)
     assert " ".join(command).startswith(opening), stage
@@ -129,9 +129,16 @@ def test_the_recipe_rehearses_end_to_end(tmp_path):
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   assert "rehearsal passed" in result.stdout
   assert (work / "expert_states" / "states.json").exists()
-  with open(work / "train" / "metrics.jsonl") as f:
+  # Train and evaluate ran on the emulator's bucket (its filesystem backend
+  # keeps each object as a file under its name); nothing of theirs is
+  # local.
+  bucket = work / "gcs" / "objects" / rehearse.BUCKET
+  assert not (work / "train").exists() and not (work / "eval").exists()
+  with open(bucket / "train" / "metrics.jsonl") as f:
     steps = [json.loads(line)["step"] for line in f if '"step"' in line]
   assert steps == list(range(1, rehearse.TRAIN_STEPS + 1))
-  with open(work / "eval" / "results.json") as f:
+  assert (bucket / "train" / "checkpoints" / str(rehearse.KEPT_STEP)
+          / "commit_success.txt").exists()
+  with open(bucket / "eval" / "results.json") as f:
     results = json.load(f)
   assert results["n"] >= 1 and results["failures"] == 0

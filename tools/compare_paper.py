@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from cmimem_jax.data.files import write_atomic  # noqa: E402
+from cmimem_jax import storage  # noqa: E402
 from cmimem_jax.evaluation.paper import (OurResult, compare,  # noqa: E402
                                          to_markdown)
 
@@ -34,8 +34,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
   parser.add_argument("--out", default="", help="also write to this file")
   args = parser.parse_args(argv)
   workdirs = [d for d in args.results.split(",") if d]
-  missing = [path for path in (os.path.join(d, "results.json")
-                               for d in workdirs) if not os.path.isfile(path)]
+  try:
+    missing = [path for path in (storage.join(d, "results.json")
+                                 for d in workdirs)
+               if not storage.path(path).exists()]
+  except storage.StorageError as e:
+    parser.exit(2, f"{parser.prog}: error: {e}\n")
   if missing or not workdirs:
     parser.exit(2, f"{parser.prog}: error: no {', '.join(missing) or 'workdir'}"
                 " (--results takes `python -m cmimem_jax.evaluate` workdirs,"
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
           else json.dumps(comparisons, indent=1) + "\n")
   sys.stdout.write(text)
   if args.out:
-    write_atomic(args.out, text)
+    storage.write_atomic(args.out, text)
   return comparisons
 
 

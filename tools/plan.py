@@ -697,6 +697,7 @@ def main(argv=None) -> list[dict]:
   from flax import nnx
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+  from cmimem_jax import storage
   from cmimem_jax.models.attention import resolve_impl
   from cmimem_jax.models.qwen3 import KVCache, Qwen3Config, preset
   from cmimem_jax.models.qwen3.params import abstract_model
@@ -731,8 +732,8 @@ def main(argv=None) -> list[dict]:
   if args.checkpoint and args.preset:
     raise SystemExit("--checkpoint and --preset both name the architecture: "
                      "give one")
-  if args.checkpoint and not os.path.isfile(
-      os.path.join(args.checkpoint, "config.json")):
+  if args.checkpoint and not storage.path(
+      storage.join(args.checkpoint, "config.json")).exists():
     raise SystemExit(f"--checkpoint={args.checkpoint}: no config.json there "
                      "(an HF checkpoint directory)")
   model_config = (Qwen3Config.from_pretrained(args.checkpoint, **overrides)

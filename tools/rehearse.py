@@ -21,11 +21,15 @@ build_expert_states (from the QA-less records) -> synthesize_qa (each
 session's questions on its expert state, `--expert_states`) ->
 skip_calibration (the Semantic SKIP thresholds of the stand-in encoder, in
 the rehearsal's own table: its identity is the real Qwen3-Embedding's) ->
-train (SIGTERM in the middle of step 1, then the same command resumes; the
-metrics hold steps 1..N once each) -> evaluate (at a kept checkpoint step,
-the LLM judge; no transport failures) -> compare_paper. One line per stage,
-then a table; the exit status is non-zero and names the first stage that
-failed.
+bucket (the dataset and the expert states copied to a bucket, as
+`gcloud storage cp -r` would) -> train (SIGTERM in the middle of step 1,
+then the same command resumes; the metrics hold steps 1..N once each) ->
+evaluate (at a kept checkpoint step, the LLM judge; no transport failures)
+-> compare_paper. Train, evaluate and compare_paper run on the bucket as
+the TPU config documents (`--workdir=gs://...`): a GCS emulator
+(`tools/gcs_emulator.py`, fake-gcs-server) holds it, every client pointed
+there by `STORAGE_EMULATOR_HOST`. One line per stage, then a table; the
+exit status is non-zero and names the first stage that failed.
 
   python tools/rehearse.py --workdir=DIR     # or: make rehearsal
 """
@@ -49,7 +53,11 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from gcs_emulator import GcsEmulator  # noqa: E402
 from scripted_llm import ScriptedLLM  # noqa: E402
+
+from cmimem_jax import storage  # noqa: E402
+from cmimem_jax.rl import read_metrics  # noqa: E402
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PYTHON = sys.executable
@@ -59,6 +67,7 @@ DEVICES = 8  # The fake CPU devices the TPU config's mesh (fsdp:-1) spans.
 # Step 1 is interrupted, the resumed run trains step 2.
 TRAIN_STEPS = 2
 KEPT_STEP = 2  # checkpoint.keep_period: the step evaluation selects.
+BUCKET = "rehearsal"  # In the emulator; a user names their own.
 
 # Where each stage's command is written, as a user reads it:
 # (file, the command's first words).
@@ -79,8 +88,9 @@ DOCUMENTED = {
 }
 # Every change to those commands, per stage, by flag: sizes, paths and
 # endpoints only ("config.X" flags override config fields). "{work}",
-# "{serve}", "{scripted}" and "{port}" are filled in at run time (the
-# workdir, our server's URL and port, the scripted endpoint's URL).
+# "{bucket}", "{serve}", "{scripted}" and "{port}" are filled in at run
+# time (the workdir, gs://BUCKET, our server's URL and port, the scripted
+# endpoint's URL).
 CHECKPOINTS = {
     "config.dataset.path": "{work}/data/rl_qa.json",
     "config.encoder.path": "{work}/checkpoints/encoder",
@@ -90,6 +100,13 @@ CHECKPOINTS = {
 # The Semantic SKIP calibration table the stand-in encoder's thresholds go
 # to (never the packaged one: the stand-in has the real encoder's identity).
 SKIP_TABLE = "{work}/skip_calibration.json"
+# What train and evaluate read from the bucket (the `bucket` stage copies
+# them there).
+IN_BUCKET = {
+    "config.dataset.path": "{bucket}/data/rl_qa.json",
+    "config.encoder.path": "{work}/checkpoints/encoder",
+    "config.dataset.split": "all",
+}
 RECIPE_OVERRIDES: dict[str, dict[str, object]] = {
     "build_expert_states": {
         # From the QA-less records: synthesize_qa asks on these states.
@@ -109,9 +126,9 @@ RECIPE_OVERRIDES: dict[str, dict[str, object]] = {
         "choose": "0:1", "check": "1:2",
     },
     "train": {
-        **CHECKPOINTS, "workdir": "{work}/train",
+        **IN_BUCKET, "workdir": "{bucket}/train",
         "config.policy.path": "{work}/checkpoints/policy",
-        "config.rl.snapshots": "{work}/expert_states",
+        "config.rl.snapshots": "{bucket}/expert_states",
         "config.reward.skip_calibration": SKIP_TABLE,
         "config.qa.answer.base_url": "{serve}",
         "config.qa.answer.model": "cmimem-local",
@@ -127,10 +144,10 @@ RECIPE_OVERRIDES: dict[str, dict[str, object]] = {
         "config.checkpoint.keep_period": KEPT_STEP,
     },
     "evaluate": {
-        **CHECKPOINTS, "workdir": "{work}/eval",
+        **IN_BUCKET, "workdir": "{bucket}/eval",
         "config.dataset.dialogues": 2,
         "config.builder.path": "{work}/checkpoints/policy",
-        "config.builder.init_checkpoint": "{work}/train",
+        "config.builder.init_checkpoint": "{bucket}/train",
         "config.builder.checkpoint_step": KEPT_STEP,
         "config.builder.max_new_tokens": 24,
         "config.builder.endpoint.max_tokens": 24,
@@ -141,7 +158,7 @@ RECIPE_OVERRIDES: dict[str, dict[str, object]] = {
         "config.judge.endpoint.max_tokens": 64,
         "config.memory.chunk_budget_chars": 4000,
     },
-    "compare_paper": {"results": "{work}/eval"},
+    "compare_paper": {"results": "{bucket}/eval"},
 }
 # Our server as the answer model: the stand-in policy, small shapes. (A
 # stand-in for an external LLM, not a config of the recipe.)
@@ -154,9 +171,10 @@ SERVE_OVERRIDES = {
     "config.serve.buckets": (2048, 8192),
     "config.serve.warm_up_prompt_tokens": (2048,),
 }
-# Values in a documented command that a user must replace.
+# Values in a documented command that a user must replace (`gs://...`: the
+# bucket).
 PLACEHOLDERS = re.compile(r"\.\.\.|\b(DIR|URL|NAME|HOST|DATA)\b|^/(data|ckpt|"
-                          r"runs)/|gs://")
+                          r"runs)/")
 
 
 def continued(lines: list[str], i: int) -> tuple[str, int]:
@@ -203,7 +221,7 @@ def apply_overrides(command: list[str], overrides: dict[str, object],
   named = {w.removeprefix("--").partition("=")[0] for w in command}
   for flag, value in overrides.items():
     if strict and flag not in named and re.search(
-        r"\{(work|serve|scripted)\}", str(value)):
+        r"\{(work|bucket|serve|scripted)\}", str(value)):
       raise ValueError(f"the documented command has no --{flag}=..., which "
                        "the run needs")
   todo = dict(overrides)
@@ -266,11 +284,7 @@ def _healthy(url: str) -> bool:
 
 
 def _metrics_steps(workdir: str) -> list[int]:
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line)["step"] for line in f if '"step"' in line]
+  return [m["step"] for m in read_metrics(workdir)]
 
 
 def _training_started(log: str) -> bool:
@@ -284,14 +298,14 @@ class Rehearsal:
 
   def __init__(self, workdir: str, echo: Callable[[str], None] = print):
     self.work = os.path.abspath(workdir)
-    if os.path.exists(os.path.join(self.work, "train")):
+    if os.path.exists(os.path.join(self.work, "logs")):
       raise ValueError(f"{self.work} already holds a rehearsal: use a new "
                        "--workdir")
     self.logs = os.path.join(self.work, "logs")
     os.makedirs(self.logs, exist_ok=True)
     self.echo = echo
     self.stages: list[Stage] = []
-    self.fill = {"work": self.work}
+    self.fill = {"work": self.work, "bucket": f"gs://{BUCKET}"}
     self.env = dict(os.environ)
     # Compiled programs survive the SIGTERM and the resume.
     self.env.setdefault("JAX_COMPILATION_CACHE_DIR",
@@ -300,6 +314,7 @@ class Rehearsal:
     self.env["XLA_FLAGS"] = (self.env.get("XLA_FLAGS", "") + " --xla_force_"
                              f"host_platform_device_count={DEVICES}").strip()
     self.server: subprocess.Popen | None = None
+    self.emulator: GcsEmulator | None = None
 
   # --- stages ---------------------------------------------------------------
 
@@ -346,6 +361,16 @@ class Rehearsal:
     return (f"cosine >= {entry['semantic_skip_cosine']}, coverage >= "
             f"{entry['semantic_skip_coverage']:.3f} in {entry['table']}")
 
+  def bucket(self) -> str:
+    """The bucket the TPU commands name, holding the data they read."""
+    fs = self.emulator.fs
+    self.emulator.bucket(BUCKET)
+    fs.put_file(f"{self.work}/data/rl_qa.json", f"{BUCKET}/data/rl_qa.json")
+    fs.put(f"{self.work}/expert_states", f"{BUCKET}/expert_states",
+           recursive=True)
+    return (f"gs://{BUCKET} at {self.emulator.url}: "
+            f"{len(self.emulator.objects(BUCKET))} objects")
+
   def serve_ready(self, timeout_s: float = 300) -> str:
     health = self.fill["serve"].removesuffix("/v1") + "/health"
     deadline = time.monotonic() + timeout_s
@@ -360,7 +385,7 @@ class Rehearsal:
     return f"{health} is 200"
 
   def train(self) -> str:
-    workdir = f"{self.work}/train"
+    workdir = f"gs://{BUCKET}/train"
     command = self._command("train")
     log = self._log("train")
     first = subprocess.Popen(command, cwd=REPO, env=self.env,
@@ -393,10 +418,9 @@ class Rehearsal:
             f"steps {steps[0]}..{steps[-1]} once each")
 
   def evaluate(self) -> str:
-    workdir = f"{self.work}/eval"
+    workdir = f"gs://{BUCKET}/eval"
     _run(self._command("evaluate"), self._log("evaluate"), self.env)
-    with open(os.path.join(workdir, "results.json")) as f:
-      results = json.load(f)
+    results = json.loads(storage.path(f"{workdir}/results.json").read_text())
     n, failures = results.get("n", 0), results.get("failures", -1)
     missing = results.get("missing", -1)  # Questions of unbuilt banks.
     calls = {role: results.get("call_failures", {}).get(role, {}).get(
@@ -439,8 +463,11 @@ class Rehearsal:
 
   @contextlib.contextmanager
   def _endpoints(self) -> Iterator[None]:
-    with ScriptedLLM() as scripted:
+    with ScriptedLLM() as scripted, GcsEmulator(
+        os.path.join(self.work, "gcs")) as emulator:
       self.fill["scripted"] = scripted.base_url
+      self.emulator = emulator
+      self.env["STORAGE_EMULATOR_HOST"] = emulator.url
       try:
         yield
       finally:
@@ -454,7 +481,7 @@ class Rehearsal:
   # The stages in the recipe's order (README), each run by the method of
   # its name ("serve": `serve_start`).
   STAGES = ("standins", "serve", "build_expert_states", "synthesize_qa",
-            "skip_calibration", "serve_ready", "train", "evaluate",
+            "skip_calibration", "bucket", "serve_ready", "train", "evaluate",
             "compare_paper")
 
   def run(self) -> int:

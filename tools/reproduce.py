@@ -79,6 +79,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
+from cmimem_jax import storage  # noqa: E402
 from cmimem_jax.config import CONFIG_FILE, run_command  # noqa: E402
 from cmimem_jax.data import bundled_path, load_dataset  # noqa: E402
 from cmimem_jax.data.files import (write_atomic, write_figure,  # noqa: E402
@@ -1122,6 +1123,14 @@ def main(argv: list[str]) -> None:
   del argv
   if not flags.FLAGS.workdir:
     raise app.UsageError("--workdir is required")
+  if any(storage.is_remote(d) for d in [flags.FLAGS.workdir,
+                                        *flags.FLAGS.pool, *flags.FLAGS.sweep,
+                                        flags.FLAGS.reuse,
+                                        flags.FLAGS.compare]):
+    raise app.UsageError("tools/reproduce.py keeps its workdirs on local "
+                         "disk (it links stage outputs between them); "
+                         "python -m cmimem_jax.train / evaluate take "
+                         "--workdir=gs://...")
   missing = [d for d in [*flags.FLAGS.pool, *flags.FLAGS.sweep,
                          flags.FLAGS.reuse, flags.FLAGS.compare]
              if d and not os.path.isfile(os.path.join(d, "stages.json"))]

@@ -40,6 +40,7 @@ sys.path.insert(0, REPO)
 
 import ml_collections  # noqa: E402
 
+from cmimem_jax import storage  # noqa: E402
 from cmimem_jax.config import CONFIG_FILE  # noqa: E402
 from cmimem_jax.data.files import write_figure, write_json  # noqa: E402
 from cmimem_jax.data.fragments import user_statements  # noqa: E402
@@ -89,9 +90,9 @@ def run_kinds(workdir: str) -> dict[str, str]:
   """The session kinds of the run in `workdir`, from its config.json. A
   relative dataset path is read from here or, failing that, from the
   repository root (where the documented commands run)."""
-  with open(os.path.join(workdir, CONFIG_FILE), encoding="utf-8") as f:
-    dataset = ml_collections.ConfigDict(json.load(f)["dataset"])
-  if not os.path.exists(dataset.path):
+  dataset = ml_collections.ConfigDict(json.loads(storage.path(
+      storage.join(workdir, CONFIG_FILE)).read_text())["dataset"])
+  if not storage.path(dataset.path).exists():
     from_root = os.path.join(REPO, dataset.path)
     if os.path.isabs(dataset.path) or not os.path.exists(from_root):
       raise FileNotFoundError(
@@ -184,7 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       parser.error(f"--steps={args.steps}: FIRST is after LAST")
   counts, runs, kinds = {}, {}, {}
   for workdir in args.workdirs:
-    if not os.path.isdir(workdir):
+    try:
+      found = storage.path(workdir).is_dir()
+    except storage.StorageError as e:
+      print(e, file=sys.stderr)
+      return 1
+    if not found:
       print(f"{workdir}: no such directory", file=sys.stderr)
       return 1
     try:

@@ -1,11 +1,15 @@
 """Files the jobs write and read back: JSONL logs that survive a hard kill,
-and ids from dataset files turned into safe directory names.
+ids from dataset files turned into safe directory names, the workdir lock,
+and `write_atomic`, through the path layer of `cmimem_jax.storage` (local
+paths and `gs://`).
 
 A process killed mid-write leaves at most one torn (unterminated) line at
 the end of an append-only JSONL file; `read_jsonl` drops it and truncates
 the file back to its last complete line (or, when only the newline was
 lost, terminates the record), so the next append starts clean.
-A malformed line anywhere else is real corruption and raises.
+A malformed line anywhere else is real corruption and raises. An object on
+object storage is only ever written whole (`storage.Appender`), so it has
+no torn line to repair.
 """
 
 from __future__ import annotations
@@ -14,9 +18,18 @@ import hashlib
 import json
 import os
 import re
+import threading
+import time
 from typing import Any
 
 from absl import logging
+
+from cmimem_jax import storage
+from cmimem_jax.storage import write_atomic
+
+__all__ = ["LOCK_FILE", "WorkdirBusy", "WorkdirLock", "path_under",
+           "read_jsonl", "rewrite_jsonl", "safe_name", "write_atomic",
+           "write_figure", "write_json"]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -32,10 +45,11 @@ def read_jsonl(path: str, repair: bool = True) -> list[dict[str, Any]]:
   Raises:
     ValueError: a malformed line before the last one (names file and line).
   """
-  if not os.path.exists(path):
+  target = storage.path(path)
+  if not target.exists():
     return []
-  with open(path, "rb") as f:
-    data = f.read()
+  data = target.read_bytes()
+  repair = repair and not storage.is_remote(path)
   lines = data.split(b"\n")
   records = []
   for number, line in enumerate(lines, 1):
@@ -60,48 +74,6 @@ def read_jsonl(path: str, repair: bool = True) -> list[dict[str, Any]]:
     with open(path, "ab") as f:
       f.write(b"\n")
   return records
-
-
-def write_atomic(path: str, data: str | bytes) -> None:
-  """Replaces the file `path` with `data` (a str is written as UTF-8) in
-  one step: readers see the old file or the whole new one, never a part.
-
-  The data goes to a temporary file in the same directory (same file
-  system, so the rename is atomic), is fsync'ed, then renamed over `path`
-  (`os.replace`); the directory is fsync'ed so the rename survives a
-  crash. If anything fails (a full disk, say) the temporary file is
-  removed, `path` is left as it was, and the error is raised.
-  """
-  import tempfile
-  payload = data.encode("utf-8") if isinstance(data, str) else data
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  fd, staging = tempfile.mkstemp(
-      dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(payload)
-      f.flush()
-      os.fsync(f.fileno())
-    # mkstemp makes the file 0600; a result file is for others to read.
-    os.chmod(staging, 0o644)
-    os.replace(staging, path)
-  except BaseException:
-    try:
-      os.remove(staging)
-    except FileNotFoundError:
-      pass
-    raise
-  try:
-    directory_fd = os.open(directory, os.O_RDONLY)
-  except OSError:  # E.g. a platform without directory descriptors.
-    return
-  try:
-    os.fsync(directory_fd)
-  except OSError:
-    pass
-  finally:
-    os.close(directory_fd)
 
 
 def write_json(path: str, value: Any, indent: int | None = 1) -> None:
@@ -135,8 +107,11 @@ def safe_name(identifier: str) -> str:
 
 
 def path_under(root: str, *names: str) -> str:
-  """`root/<safe names...>`, checked to resolve inside `root`."""
-  path = os.path.join(root, *(safe_name(n) for n in names))
+  """`root/<safe names...>`, checked to resolve inside `root` (a URL:
+  safe names cannot leave it)."""
+  path = storage.join(root, *(safe_name(n) for n in names))
+  if storage.is_remote(root):
+    return path
   real_root = os.path.realpath(root)
   if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:
     raise ValueError(f"{path} resolves outside {root}")
@@ -178,16 +153,26 @@ def _alive(holder: dict[str, Any]) -> bool:
 
 class WorkdirLock:
   """One writer per workdir: `workdir/.lock` names the holder (pid, host,
-  start time, command). A lock left by a dead process on this host is
-  stale and taken over (with a warning); a live holder, or one on another
-  host (which cannot be checked), makes `acquire` raise `WorkdirBusy`
-  naming it. Re-entrant within a process; released by `release` or at
-  exit."""
+  start time, command), created only if absent (local `O_EXCL`, GCS
+  `ifGenerationMatch=0`: of two racing writers exactly one takes it). A
+  lock left by a dead process on this host is stale and taken over (with a
+  warning); a live holder, or one on another host, makes `acquire` raise
+  `WorkdirBusy` naming it. On object storage, where a preempted VM's
+  successor is another host, the holder refreshes the lock every
+  `lease_s / 4` seconds, and a lock of another host untouched for
+  `lease_s` is stale too. Re-entrant within a process; released by
+  `release` or at exit."""
 
-  def __init__(self, workdir: str, job: str):
+  # A remote lock's lease: a holder that stopped refreshing it this long
+  # ago is gone (a preempted VM).
+  LEASE_S = 600.0
+
+  def __init__(self, workdir: str, job: str, lease_s: float = LEASE_S):
     self.workdir, self.job = workdir, job
-    self.path = os.path.join(workdir, LOCK_FILE)
+    self.path = storage.join(workdir, LOCK_FILE)
+    self.lease_s = lease_s
     self._held = False
+    self._stop_refresh = threading.Event()
 
   def _mine(self) -> dict[str, Any]:
     import socket
@@ -198,21 +183,39 @@ class WorkdirLock:
 
   def _holder(self) -> dict[str, Any] | None:
     try:
-      with open(self.path, encoding="utf-8") as f:
-        return json.load(f)
+      return json.loads(storage.path(self.path).read_text())
     except FileNotFoundError:
       return None
-    except (OSError, json.JSONDecodeError):
+    except (ValueError, UnicodeDecodeError):
       return {}  # Torn by a killed writer: nobody holds it.
+
+  def _idle_s(self) -> float:
+    """Seconds since the remote lock was last written (0: unknown)."""
+    try:
+      updated = storage.path(self.path).stat().mtime
+    except (FileNotFoundError, OSError):
+      return 0.0
+    return time.time() - updated
+
+  def _stale(self, holder: dict[str, Any]) -> str | None:
+    """Why the lock `holder` wrote is nobody's any more (None: it is)."""
+    import socket
+    if holder.get("host") == socket.gethostname() and not _alive(holder):
+      return f"pid {holder.get('pid')}, no longer running"
+    if storage.is_remote(self.path):
+      idle = self._idle_s()
+      if idle > self.lease_s:
+        return (f"on {holder.get('host')}, not refreshed for {idle:.0f} s "
+                f"> its lease of {self.lease_s:.0f} s")
+    return None
 
   def acquire(self) -> WorkdirLock:
     import atexit
-    import socket
-    os.makedirs(self.workdir, exist_ok=True)
+    storage.makedirs(self.workdir)
     mine = self._mine()
     for _ in range(3):  # A racing writer may replace a stale lock too.
       try:
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        storage.create_new(self.path, json.dumps(mine))
       except FileExistsError:
         holder = self._holder()
         if holder is None:
@@ -222,38 +225,57 @@ class WorkdirLock:
                         and holder.get("start") == mine["start"])
         if same_process:
           return self
-        if holder.get("host") == socket.gethostname() and not _alive(holder):
-          logging.warning("%s: taking over a stale lock of %s (pid %s, no "
-                          "longer running)", self.workdir,
-                          holder.get("job", "?"), holder.get("pid"))
-          try:
-            os.remove(self.path)
-          except FileNotFoundError:
-            pass
+        stale = self._stale(holder)
+        if stale:
+          logging.warning("%s: taking over a stale lock of %s (%s)",
+                          self.workdir, holder.get("job", "?"), stale)
+          storage.remove(self.path)
           continue
         raise WorkdirBusy(
             f"{self.workdir} is in use by {holder.get('job', '?')} (pid "
             f"{holder.get('pid')} on {holder.get('host')}: "
             f"{holder.get('command', '?')}); wait for it, use another "
             f"workdir, or delete {self.path} if that process is gone")
-      with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(mine, f)
       self._held = True
       atexit.register(self.release)
+      if storage.is_remote(self.path):
+        self._stop_refresh.clear()
+        threading.Thread(target=self._refresh, args=(json.dumps(mine),),
+                         daemon=True, name="workdir-lock").start()
       return self
     raise WorkdirBusy(f"could not take {self.path}")
+
+  def _refresh(self, content: str) -> None:
+    """Rewrites the remote lock every `lease_s / 4` s (at least 1 s) while
+    it is held; stops, with an error, if another process took it over (this
+    one was unreachable for a whole lease)."""
+    mine = json.loads(content)
+    while not self._stop_refresh.wait(max(self.lease_s / 4, 1.0)):
+      try:
+        holder = self._holder()
+        if holder and any(holder.get(k) != mine[k] for k in ("pid", "host")):
+          logging.error("%s: the lock was taken over by %s (pid %s on %s) "
+                        "after this process missed its lease; both now "
+                        "write to %s", self.path, holder.get("job", "?"),
+                        holder.get("pid"), holder.get("host"), self.workdir)
+          return
+        storage.write_atomic(self.path, content)
+      except OSError as e:  # Logged; the next refresh tries again.
+        logging.warning("%s: could not refresh the lock: %s", self.path, e)
 
   def release(self) -> None:
     """Removes the lock if this process holds it."""
     if not self._held:
       return
     self._held = False
-    holder = self._holder()
-    if holder and holder.get("pid") == os.getpid():
-      try:
-        os.remove(self.path)
-      except FileNotFoundError:
-        pass
+    self._stop_refresh.set()
+    try:
+      holder, mine = self._holder(), self._mine()
+      if holder and all(holder.get(k) == mine[k] for k in ("pid", "host")):
+        storage.remove(self.path)
+    except (OSError, RuntimeError) as e:  # E.g. the bucket unreachable.
+      logging.warning("%s: could not release the lock (%s); the next run "
+                      "takes it over once its holder is gone", self.path, e)
 
   def __enter__(self) -> WorkdirLock:
     return self.acquire()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from cmimem_jax import storage
 from cmimem_jax.data.schema import RecordReader, read_json
 from cmimem_jax.data.types import DatasetError, Dialogue, Question, Session, Turn
 
@@ -54,7 +55,10 @@ def _read_rows(path: str) -> list[Any]:
                          "reading parquet needs pyarrow (pip install pyarrow)"
                          ) from e
     try:
-      return pq.read_table(path).to_pylist()
+      with storage.path(path).open("rb") as f:
+        return pq.read_table(f).to_pylist()
+    except storage.StorageError:
+      raise
     except Exception as e:  # pyarrow raises many types for bad files.
       raise DatasetError(path, None, None, f"unreadable parquet: {e}") from e
   rows = read_json(path)

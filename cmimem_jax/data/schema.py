@@ -8,14 +8,17 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from cmimem_jax import storage
 from cmimem_jax.data.types import DatasetError
 
 
 def read_json(path: str) -> Any:
-  """Reads a JSON document, or JSON Lines when the file is not one document."""
+  """Reads a JSON document, or JSON Lines when the file is not one document
+  (a local file or an object: `gs://...`)."""
   try:
-    with open(path, encoding="utf-8") as f:
-      text = f.read()
+    text = storage.path(path).read_bytes().decode("utf-8")
+  except storage.StorageError:
+    raise
   except OSError as e:
     raise DatasetError(path, None, None, f"cannot read file: {e}") from e
   try:

@@ -18,6 +18,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from cmimem_jax import storage
+
 # Our LongMemEval categories (its `question_type`s) as Table 3/9 columns.
 LONGMEMEVAL_COLUMNS = {
     "knowledge-update": "KU", "multi-session": "MS",
@@ -56,12 +58,11 @@ def paper_rows(table: str) -> list[dict[str, Any]]:
 def _read_json(path: str) -> Any:
   """A JSON file's value; a malformed one raises ValueError naming the
   file, line and column."""
-  with open(path, encoding="utf-8") as f:
-    try:
-      return json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{path}:{e.lineno}:{e.colno}: not JSON: {e.msg}"
-                       ) from None
+  try:
+    return json.loads(storage.path(path).read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}:{e.lineno}:{e.colno}: not JSON: {e.msg}"
+                     ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ class OurResult:
       ValueError: a file is not JSON (naming it, its line and column), or
         results.json is not an evaluation's results.
     """
-    path = os.path.join(workdir, "results.json")
+    path = storage.join(workdir, "results.json")
     result = _read_json(path)
     if not (isinstance(result, dict) and isinstance(
         result.get("dataset"), str) and isinstance(
@@ -87,9 +88,9 @@ class OurResult:
       raise ValueError(f"{path}: not the results.json of `python -m "
                        "cmimem_jax.evaluate` (needs 'dataset' and "
                        "'overall')")
-    settings_path = os.path.join(workdir, "settings.json")
+    settings_path = storage.join(workdir, "settings.json")
     settings = {}
-    if os.path.exists(settings_path):
+    if storage.path(settings_path).exists():
       settings = _read_json(settings_path)
     return cls(os.path.basename(os.path.normpath(workdir)), result, settings)
 

@@ -34,6 +34,7 @@ from typing import Any
 from absl import logging
 from tqdm import tqdm
 
+from cmimem_jax import storage
 from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
 from cmimem_jax.config import (qa_chunk_budget, register_section,
                                validate_config)
@@ -111,7 +112,7 @@ def make_chat_model(section: Any, constraint_regex: str | None = None
   from cmimem_jax.sampling import (ChatPolicy, TokenConstraint,
                                    check_vocabulary,
                                    checkpoint_tokenizer_path, load_tokenizer)
-  path = section.path or smollm2_gguf_path()
+  path = storage.require_local(section.path, "path") or smollm2_gguf_path()
   # The checkpoint's own tokenizer, as training reads it.
   tokenizer = load_tokenizer(checkpoint_tokenizer_path(path))
   model = load_hf(path) if os.path.isdir(path) else load_gguf(path)
@@ -135,7 +136,7 @@ def context_provider(dialogue: Dialogue, encoder: Encoder, config,
     return TurnRAG(dialogue, encoder, config.rag_top_k)
   directory = path_under(workdir, "banks", config.method,
                          dialogue.dialogue_id)
-  if os.path.exists(os.path.join(directory, "CURRENT")):
+  if storage.path(storage.join(directory, "CURRENT")).exists():
     bank = MemoryBank.load(directory)
   else:
     make = {"policy": policy_responder, "prompting": agents_responder}
@@ -232,7 +233,7 @@ def read_records(path: str) -> dict[str, dict]:
 def file_sha256(path: str) -> str:
   """The SHA-256 of a file's bytes (read in 1 MiB blocks)."""
   digest = hashlib.sha256()
-  with open(path, "rb") as f:
+  with storage.path(path).open("rb") as f:
     for block in iter(lambda: f.read(1 << 20), b""):
       digest.update(block)
   return digest.hexdigest()
@@ -282,11 +283,10 @@ def check_settings(workdir: str, settings: dict[str, Any]) -> None:
   Raises:
     ValueError: naming each setting that differs.
   """
-  path = os.path.join(workdir, SETTINGS_FILE)
-  if not os.path.exists(path):
+  path = storage.path(storage.join(workdir, SETTINGS_FILE))
+  if not path.exists():
     return
-  with open(path, encoding="utf-8") as f:
-    stored = json.load(f)
+  stored = json.loads(path.read_text())
   changed = [f"{k}: {stored.get(k)!r} -> {settings.get(k)!r}"
              for k in sorted(set(stored) | set(settings))
              if stored.get(k) != settings.get(k)]
@@ -301,8 +301,8 @@ def record_settings(workdir: str, settings: dict[str, Any]) -> None:
   """Writes `workdir/settings.json` (once: `check_settings` has refused
   other settings), when the run's inputs have been validated and before
   any result is written."""
-  path = os.path.join(workdir, SETTINGS_FILE)
-  if not os.path.exists(path):
+  path = storage.join(workdir, SETTINGS_FILE)
+  if not storage.path(path).exists():
     write_json(path, settings)
 
 
@@ -374,7 +374,7 @@ def evaluate(config, workdir: str) -> dict:
   # Refused before any model loads; recorded once they have.
   settings = result_settings(config)
   check_settings(workdir, settings)
-  path = os.path.join(workdir, "predictions.jsonl")
+  path = storage.join(workdir, "predictions.jsonl")
   # Scored and unscorable records are final; failed judgements are redone.
   done = {qid for qid, r in read_records(path).items()
           if r.get("score") is not None or r.get("unscorable")}
@@ -403,7 +403,7 @@ def evaluate(config, workdir: str) -> dict:
   failures: collections.Counter[str] = collections.Counter()
   per_submit = questions_per_submit(answerer)
   start = time.perf_counter()
-  with open(path, "a", encoding="utf-8") as out, tqdm(
+  with storage.Appender(path) as out, tqdm(
       total=len(selected), initial=len(selected) - sum(
           len(v) for v in pending.values()), desc="questions",
       disable=None) as bar:
@@ -450,5 +450,5 @@ def evaluate(config, workdir: str) -> dict:
   # Questions without a record: their dialogue's memory could not be built.
   result["missing"] = len(wanted) - len(records)
   result["seconds"] = round(time.perf_counter() - start, 2)
-  write_json(os.path.join(workdir, "results.json"), result)
+  write_json(storage.join(workdir, "results.json"), result)
   return result

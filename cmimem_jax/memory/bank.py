@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 import faiss
 import numpy as np
 
+from cmimem_jax import storage
 from cmimem_jax.memory.types import ENTRY_TYPES, MemoryEntry, MemoryType
 
 FORMAT_VERSION = 1
@@ -199,8 +200,12 @@ class MemoryBank:
     Layout: `directory/CURRENT` names a complete version folder holding
     `meta.json`, `entries.jsonl` and one FAISS index per type. A new version
     is written in full, then `CURRENT` is switched with an atomic rename, so
-    a crash at any point leaves the previous version readable.
+    a crash at any point leaves the previous version readable. On object
+    storage (no renames) the version's objects are written where they
+    stay, then `CURRENT` as one whole object: the same guarantee.
     """
+    if storage.is_remote(directory):
+      return self._save_remote(directory)
     os.makedirs(directory, exist_ok=True)
     _remove_stale_temporaries(directory)
     version = f"v{self.step:06d}-{uuid.uuid4().hex[:8]}"
@@ -221,21 +226,32 @@ class MemoryBank:
         shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     return os.path.join(directory, version)
 
+  def _save_remote(self, directory: str) -> str:
+    version = f"v{self.step:06d}-{uuid.uuid4().hex[:8]}"
+    folder = storage.join(directory, version)
+    self._write_version(folder)
+    storage.write_atomic(storage.join(directory, _CURRENT), version)
+    for child in storage.path(directory).iterdir():
+      # Older versions, and any a crashed save left unnamed.
+      if _VERSION.fullmatch(child.name) and child.name != version:
+        child.rmtree()
+    return folder
+
   def _write_version(self, staging: str) -> None:
     """The files of one version, in `staging`."""
     meta = {"format_version": FORMAT_VERSION, "user_id": self.user_id,
             "dim": self.dim, "core": self.core, "step": self.step,
             "next_id": self._next_id}
-    _write_file(os.path.join(staging, "meta.json"),
+    _write_file(storage.join(staging, "meta.json"),
                 json.dumps(meta, ensure_ascii=False).encode())
     rows = (json.dumps(_entry_to_json(e), ensure_ascii=False)
             for e in self.entries())
-    _write_file(os.path.join(staging, "entries.jsonl"),
+    _write_file(storage.join(staging, "entries.jsonl"),
                 "".join(f"{r}\n" for r in rows).encode())
     for memory_type in ENTRY_TYPES:
       index = faiss.IndexFlatIP(self.dim)
       index.add(self.stores[memory_type].vectors)
-      _write_file(os.path.join(staging, f"{memory_type.value}.faiss"),
+      _write_file(storage.join(staging, f"{memory_type.value}.faiss"),
                   faiss.serialize_index(index).tobytes())
     _fsync_dir(staging)
 
@@ -247,33 +263,30 @@ class MemoryBank:
       FileNotFoundError: no saved bank in `directory`.
       ValueError: the saved files are inconsistent (names the file).
     """
-    current = os.path.join(directory, _CURRENT)
-    with open(current, encoding="utf-8") as f:
-      version = f.read().strip()
+    current = storage.join(directory, _CURRENT)
+    version = storage.path(current).read_text().strip()
     # CURRENT names a folder this class wrote, never a path elsewhere.
     if not _VERSION.fullmatch(version):
       raise ValueError(f"{current}: {version[:80]!r} is not a bank version "
                        "name")
-    folder = os.path.join(directory, version)
-    meta_path = os.path.join(folder, "meta.json")
-    with open(meta_path, encoding="utf-8") as f:
-      meta = json.load(f)
+    folder = storage.join(directory, version)
+    meta_path = storage.join(folder, "meta.json")
+    meta = json.loads(storage.path(meta_path).read_text())
     if meta.get("format_version") != FORMAT_VERSION:
       raise ValueError(f"{meta_path}: unsupported format_version "
                        f"{meta.get('format_version')!r}")
     bank = cls(meta["user_id"], meta["dim"])
     bank.core, bank.step, bank._next_id = (meta["core"], meta["step"],
                                            meta["next_id"])
-    entries_path = os.path.join(folder, "entries.jsonl")
+    entries_path = storage.join(folder, "entries.jsonl")
     by_type: dict[MemoryType, list[MemoryEntry]] = {t: [] for t in ENTRY_TYPES}
-    with open(entries_path, encoding="utf-8") as f:
-      for line in f:
-        entry = _entry_from_json(json.loads(line))
-        by_type[entry.memory_type].append(entry)
+    for line in storage.path(entries_path).read_text().splitlines():
+      entry = _entry_from_json(json.loads(line))
+      by_type[entry.memory_type].append(entry)
     for memory_type in ENTRY_TYPES:
-      index_path = os.path.join(folder, f"{memory_type.value}.faiss")
-      with open(index_path, "rb") as f:
-        index = faiss.deserialize_index(np.frombuffer(f.read(), np.uint8))
+      index_path = storage.join(folder, f"{memory_type.value}.faiss")
+      index = faiss.deserialize_index(np.frombuffer(
+          storage.path(index_path).read_bytes(), np.uint8))
       if index.ntotal != len(by_type[memory_type]) or index.d != bank.dim:
         raise ValueError(f"{index_path}: {index.ntotal} vectors of dim "
                          f"{index.d} for {len(by_type[memory_type])} "
@@ -300,6 +313,9 @@ def _entry_from_json(row: dict) -> MemoryEntry:
 
 
 def _write_file(path: str, data: bytes) -> None:
+  if storage.is_remote(path):  # One whole object.
+    storage.write_atomic(path, data)
+    return
   with open(path, "wb") as f:
     f.write(data)
     f.flush()
@@ -307,6 +323,8 @@ def _write_file(path: str, data: bytes) -> None:
 
 
 def _fsync_dir(path: str) -> None:
+  if storage.is_remote(path):  # Object storage has no directories.
+    return
   fd = os.open(path, os.O_RDONLY)
   try:
     os.fsync(fd)

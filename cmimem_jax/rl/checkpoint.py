@@ -16,6 +16,13 @@ is free; its temporary directory (`N.orbax-checkpoint-tmp*`) is removed, and
 orbax's own reports of the same out-of-space error (a traceback from each
 of its threads) are not logged. `metrics_follow_checkpoints` then cuts a
 run's metrics back to the last saved step.
+
+A directory may be local or on object storage (`gs://bucket/run/...`):
+Orbax writes there natively (its arrays through tensorstore's GCS driver,
+the rest through `etils.epath`), committing each step with a
+`commit_success.txt` marker instead of a rename; `cmimem_jax.storage`
+checks the location first and points both clients at a GCS emulator when
+`STORAGE_EMULATOR_HOST` is set.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 from flax import nnx
 
+from cmimem_jax import storage
 from cmimem_jax.models.host_memory import release_free_heap
 from cmimem_jax.rl.metrics import MetricsWriter
 
@@ -179,7 +187,12 @@ class Checkpointer:
     if not save_concurrent_gb > 0:
       raise ValueError(f"save_concurrent_gb must be > 0, got "
                        f"{save_concurrent_gb}")
-    self.directory = os.path.abspath(directory)
+    # Checked (scheme, client, bucket) before Orbax touches it: gcsfs
+    # would create a missing bucket.
+    location = storage.check_location(directory)
+    self.directory = (os.fspath(storage.path(location))
+                      if storage.is_remote(location)
+                      else os.path.abspath(location))
     # A read-only manager saves and deletes nothing: the options say so,
     # which orbax would otherwise correct with a warning each.
     self.manager = ocp.CheckpointManager(
@@ -199,7 +212,7 @@ class Checkpointer:
   def for_workdir(cls, workdir: str, section: Any) -> Checkpointer:
     """`workdir/checkpoints` with a `checkpoint` config section's `keep`,
     `keep_period`, `async_save` and `save_concurrent_gb`."""
-    return cls(os.path.join(workdir, "checkpoints"), section.keep,
+    return cls(storage.join(workdir, "checkpoints"), section.keep,
                section.async_save, section.get("keep_period", 0),
                save_concurrent_gb=section.get("save_concurrent_gb",
                                               DEFAULT_SAVE_CONCURRENT_GB))
@@ -354,7 +367,7 @@ def load_model_weights(model: nnx.Module, workdir: str, step: int = 0) -> int:
   newest) under `workdir/checkpoints` (a warm start from another run,
   whatever its objective, or a selected checkpoint); returns its step."""
   state = nnx.state(model, nnx.Param)
-  step, params = Checkpointer(os.path.join(workdir, "checkpoints"),
+  step, params = Checkpointer(storage.join(workdir, "checkpoints"),
                               read_only=True).restore_params(
                                   nnx.to_pure_dict(state), step)
   nnx.replace_by_pure_dict(state, params)

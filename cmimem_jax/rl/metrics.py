@@ -1,5 +1,16 @@
 """Training metrics: one JSON line per step, TensorBoard scalars, and a
-progress bar when stderr is a terminal."""
+progress bar when stderr is a terminal, in a local or a `gs://` workdir.
+
+Each file is appended through `storage.Appender` and flushed after every
+step: locally an append-mode file, on object storage one compose of the
+step's bytes onto the object (GCS cannot append in place). A run killed
+(or preempted) mid-step loses at most that step's records, the same
+records the resume rule drops anyway: a rerun resumes from its newest
+checkpoint, and every record of a later step, written before the run
+died, is removed first (they run again). TensorBoard's event files go
+through the same appender (tensorboardX's own gs:// writer re-uploads the
+whole file at every flush).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +22,7 @@ from typing import Any
 
 from absl import logging
 
+from cmimem_jax import storage
 from cmimem_jax.data.files import read_jsonl, rewrite_jsonl
 
 
@@ -35,11 +47,30 @@ def _summary_writer_class() -> type:
   return SummaryWriter
 
 
+class _EventFiles:
+  """tensorboardX's writer factory for `gs://` event files: each through
+  `storage.Appender` (its own factory needs google-cloud-storage and
+  uploads the whole file at every flush)."""
+
+  def open(self, location: str) -> storage.Appender:
+    storage.remove(location)  # A new file, as tensorboardX's local "wb".
+    return storage.Appender(location, "ab")
+
+  def directory_check(self, location: str) -> None:
+    storage.path(location)  # Object storage has no directories.
+
+
+def _route_event_files() -> None:
+  from tensorboardX import record_writer
+  for scheme in storage.SCHEMES:
+    record_writer.register_writer_factory(scheme, _EventFiles())
+
+
 # Per-rollout records (`rl.log_rollouts`), beside metrics.jsonl.
 ROLLOUTS_FILE = "rollouts.jsonl"
 
 
-def _open_from_step(path: str, start_step: int):
+def _open_from_step(path: str, start_step: int) -> storage.Appender:
   """`path` opened for appending, its records of steps after `start_step`
   removed first (they run again from the checkpoint)."""
   records = read_jsonl(path)
@@ -49,7 +80,7 @@ def _open_from_step(path: str, start_step: int):
                     "again from the checkpoint)", path,
                     len(records) - len(kept), start_step)
     rewrite_jsonl(path, kept)
-  return open(path, "a", encoding="utf-8")
+  return storage.Appender(path)
 
 
 class MetricsWriter:
@@ -65,16 +96,18 @@ class MetricsWriter:
   def __init__(self, workdir: str, total_steps: int | None = None,
                tensorboard: bool = True, progress: bool | None = None,
                start_step: int = 0, rollouts: bool = False):
-    os.makedirs(workdir, exist_ok=True)
-    self.path = os.path.join(workdir, "metrics.jsonl")
+    storage.makedirs(workdir)
+    self.path = storage.join(workdir, "metrics.jsonl")
     self._file = _open_from_step(self.path, start_step)
     # `write_rollouts`' file, under the same resume rule.
-    self._rollouts = (_open_from_step(os.path.join(workdir, ROLLOUTS_FILE),
+    self._rollouts = (_open_from_step(storage.join(workdir, ROLLOUTS_FILE),
                                       start_step) if rollouts else None)
     self._tb = None
     if tensorboard:
-      self._tb = _summary_writer_class()(
-          os.path.join(workdir, "tensorboard"), purge_step=start_step + 1)
+      writer_class = _summary_writer_class()
+      _route_event_files()
+      self._tb = writer_class(storage.join(workdir, "tensorboard"),
+                              purge_step=start_step + 1)
     if progress is None:
       progress = sys.stderr.isatty()
     self._bar = None
@@ -123,8 +156,15 @@ class MetricsWriter:
         file.close()
       except OSError:
         pass
+      if storage.is_remote(file.location):
+        # Object storage has no in-place truncation; the object is
+        # rewritten whole (no disk of this host to fill).
+        rewrite_jsonl(file.location, [
+            r for r in read_jsonl(file.location, repair=False)
+            if r.get("step", 0) <= step])
+        continue
       offset = 0
-      with open(file.name, "rb") as f:
+      with open(file.location, "rb") as f:
         for line in f:
           try:
             if json.loads(line).get("step", 0) > step:
@@ -132,7 +172,7 @@ class MetricsWriter:
           except ValueError:  # A torn last line: cut with the rest.
             break
           offset += len(line)
-      os.truncate(file.name, offset)
+      os.truncate(file.location, offset)
 
   def close(self) -> None:
     self._file.close()
@@ -150,9 +190,9 @@ class MetricsWriter:
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
   """Every step's record in `workdir/metrics.jsonl`."""
-  return read_jsonl(os.path.join(workdir, "metrics.jsonl"), repair=False)
+  return read_jsonl(storage.join(workdir, "metrics.jsonl"), repair=False)
 
 
 def read_rollouts(workdir: str) -> list[dict[str, Any]]:
   """Every rollout's record in `workdir/rollouts.jsonl` (`rl.log_rollouts`)."""
-  return read_jsonl(os.path.join(workdir, ROLLOUTS_FILE), repair=False)
+  return read_jsonl(storage.join(workdir, ROLLOUTS_FILE), repair=False)

@@ -12,6 +12,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from cmimem_jax import storage
 from cmimem_jax.client import CallResult, ChatModel, Messages
 from cmimem_jax.models.hf_tokenizer import load_hf_tokenizer
 from cmimem_jax.models.qwen3 import (Qwen3, Qwen3Config, load_gguf, load_hf,
@@ -97,6 +98,8 @@ def load_policy_and_tokenizer(section: Any) -> tuple[Qwen3, Any]:
   """The policy of the `policy` config section and its tokenizer, their
   vocabularies checked against each other (an HF checkpoint's before its
   weights are read)."""
+  storage.require_local(section.path, "policy.path")
+  storage.require_local(section.get("tokenizer", ""), "policy.tokenizer")
   tokenizer = load_tokenizer(policy_tokenizer_path(section))
   name = section.path or f"the {section.source} policy"
   if section.source == "hf":

@@ -12,6 +12,7 @@ log-probs in JAX (`rl.recompute_logprobs`).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from cmimem_jax import storage
+from cmimem_jax.caches import cache_dir
 from cmimem_jax.config import MissingDependency
 from cmimem_jax.models.qwen3.model import Qwen3
 from cmimem_jax.models.qwen3.params import hf_tensors, save_hf
@@ -131,4 +134,10 @@ def sample_output(prompts: Sequence[list[int]], completions: Sequence[Any],
 
 
 def checkpoint_dir(workdir: str) -> str:
+  """Where the trainer hands vLLM its weights: `workdir/vllm_policy`; for a
+  workdir on object storage (vLLM reads local files) a local scratch
+  folder named after it, under `caches.cache_dir()`."""
+  if storage.is_remote(workdir):
+    digest = hashlib.sha256(workdir.encode()).hexdigest()[:16]
+    return os.path.join(cache_dir(), "vllm_policy", digest)
   return os.path.join(workdir, "vllm_policy")

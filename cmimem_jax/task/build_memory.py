@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import time
 from collections.abc import Callable
 
 import numpy as np
+
+from cmimem_jax import storage
 from cmimem_jax.cmi import RewardComputer, RewardConfig, RolloutInput
 from cmimem_jax.cmi.skip_table import calibrated
 from cmimem_jax.config import ConfigError, qa_chunk_budget, validate_config
@@ -156,5 +157,5 @@ def run(config, workdir: str | None) -> dict[str, dict]:
         "evidence_recall": {k: round(v, 3) for k, v in recall.items()}}
     print(json.dumps({dialogue.dialogue_id: summary[dialogue.dialogue_id]}))
   if workdir:
-    write_json(os.path.join(workdir, "summary.json"), summary)
+    write_json(storage.join(workdir, "summary.json"), summary)
   return summary

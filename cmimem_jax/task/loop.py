@@ -26,7 +26,6 @@ import collections
 import contextlib
 import dataclasses
 import json
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,13 +35,14 @@ import numpy as np
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from cmimem_jax import storage
 from cmimem_jax.cmi.logprob import PolicyProfileLM
 from cmimem_jax.cmi.reward import (NO_EXPERT_RESPONSE, RewardComputer,
                                    RewardConfig)
 from cmimem_jax.cmi.skip_table import calibrated
-from cmimem_jax.config import (CONFIG_FILE, Interrupted, check_failures,
-                               config_json, finite_number, register_section,
-                               validate_config)
+from cmimem_jax.config import (Interrupted, check_failures, finite_number,
+                               register_section, validate_config,
+                               write_config)
 from cmimem_jax.data import Dialogue, WorkdirLock, load_configured
 from cmimem_jax.data.files import write_atomic
 from cmimem_jax.encoders import encoder_identity, make_encoder
@@ -120,10 +120,9 @@ def _check_training(c) -> None:
   c.check("rl.share_prompts", lambda v: isinstance(v, bool), "True or False")
   c.check("rl.curriculum_tiers", lambda v: isinstance(v, int) and v > 0,
           "a positive integer")
-  c.check("rl.snapshots", lambda v: v == "policy" or (
-      isinstance(v, str) and os.path.isdir(v)),
-          "'policy' or a directory of expert states "
-          "(tools/build_expert_states.py)")
+  if c.get("rl.snapshots") != "policy":
+    c.check_location("rl.snapshots", "'policy' or a directory of expert "
+                     "states (tools/build_expert_states.py)", directory=True)
   c.check("qa.judge", lambda v: v in ("context_recall", "llm"),
           "context_recall or llm")
   c.check("qa.max_failure_rate", lambda v: finite_number(v, 0.0, 1.0),
@@ -285,9 +284,9 @@ class Trainer:
     self.lock = WorkdirLock(workdir, "train")
     if jax.process_index() == 0:
       self.lock.acquire()
-    os.makedirs(workdir, exist_ok=True)
+    storage.makedirs(workdir)
     if jax.process_index() == 0:
-      write_atomic(os.path.join(workdir, CONFIG_FILE), config_json(config))
+      write_config(config, workdir)
     self.encoder = make_encoder(config.encoder)
     model, tokenizer = load_policy_and_tokenizer(config.policy)
     if config.policy.init_checkpoint:  # The KL reference starts here too.
@@ -389,7 +388,7 @@ class Trainer:
                                self.config.rollout.max_new_tokens)
 
   def _snapshots(self, version: int):
-    directory = os.path.join(self.workdir, "snapshots", f"v{version}")
+    directory = storage.join(self.workdir, "snapshots", f"v{version}")
     banks = load_snapshots(directory, self.dialogues)
     if banks is None:
       start = time.perf_counter()
@@ -642,8 +641,8 @@ def train(config, workdir: str,
     demo = loop.episode(demo_ref)
     demo_session = (f"{loop.dialogues[demo_ref.dialogue].dialogue_id}/"
                     f"{demo_ref.session}")
-    before_path = os.path.join(workdir, "demo_before.txt")
-    if not os.path.exists(before_path):  # The initial policy's response.
+    before_path = storage.path(storage.join(workdir, "demo_before.txt"))
+    if not before_path.exists():  # The initial policy's response.
       echo(f"the initial policy writes memory for session {demo_session}"
            " ...")
       write_atomic(before_path, loop.greedy_response(demo_ref))
@@ -651,8 +650,7 @@ def train(config, workdir: str,
   echo("the trained policy writes memory for the same session ...")
   after = loop.greedy_response(demo_ref)
   history = read_metrics(workdir)  # Every step, resumed runs too.
-  with open(before_path) as f:
-    before = f.read()
+  before = before_path.read_text()
   written = [written_memory(demo, text, loop.encoder, config.memory)
              for text in (before, after)]
   facts = json.dumps({"steps": loop.loop["step"],

@@ -10,19 +10,18 @@ Two sources (`rl.snapshots`):
   every K epochs (small CPU runs).
 
 Both are stored alike: `DIR/<dialogue_id>/s<t>/` holds `M_{t-1}` of
-session t (a `MemoryBank` directory).
+session t (a `MemoryBank` directory); DIR may be local or `gs://`.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from absl import logging
 
+from cmimem_jax import storage
 from cmimem_jax.client import Messages
 from cmimem_jax.data.files import path_under, read_jsonl, write_json
 from cmimem_jax.data.types import Dialogue
@@ -69,16 +68,21 @@ def build_snapshots(dialogues: Sequence[Dialogue],
 def _saved_prefix(directory: str, dialogue: Dialogue) -> int:
   """How many consecutive states `s0, s1, …` of `dialogue` are saved."""
   count = 0
-  while count < len(dialogue.sessions) and os.path.exists(os.path.join(
-      path_under(directory, dialogue.dialogue_id, f"s{count}"), "CURRENT")):
+  while count < len(dialogue.sessions) and _saved(
+      path_under(directory, dialogue.dialogue_id, f"s{count}")):
     count += 1
   return count
+
+
+def _saved(bank_directory: str) -> bool:
+  """Whether a `MemoryBank` was saved (completely) in `bank_directory`."""
+  return storage.path(storage.join(bank_directory, "CURRENT")).exists()
 
 
 def teacher_records(directory: str) -> dict[tuple[str, int], dict[str, Any]]:
   """The newest teacher record per (dialogue id, session index)."""
   return {(r["dialogue_id"], r["session_index"]): r
-          for r in read_jsonl(os.path.join(directory, TEACHER_LOG))}
+          for r in read_jsonl(storage.join(directory, TEACHER_LOG))}
 
 
 def expert_responses(directory: str
@@ -121,8 +125,8 @@ def _resume_point(directory: str, dialogue: Dialogue,
                       "building s%d.. again", dialogue.dialogue_id, t + 1,
                       t + 1)
       for later in range(t + 1, saved):
-        shutil.rmtree(path_under(directory, dialogue.dialogue_id,
-                                 f"s{later}"))
+        storage.path(path_under(directory, dialogue.dialogue_id,
+                                f"s{later}")).rmtree()
       return t + 1
   return saved
 
@@ -154,12 +158,11 @@ def build_expert_snapshots(dialogues: Sequence[Dialogue], respond: Responder,
   Raises:
     ValueError: the directory holds states of other settings.
   """
-  os.makedirs(directory, exist_ok=True)
-  settings_path = os.path.join(directory, STATES_FILE)
+  storage.makedirs(directory)
+  settings_path = storage.path(storage.join(directory, STATES_FILE))
   settings = json.loads(json.dumps(settings))  # Tuples as lists, as stored.
-  if os.path.exists(settings_path):
-    with open(settings_path, encoding="utf-8") as f:
-      stored = json.load(f)
+  if settings_path.exists():
+    stored = json.loads(settings_path.read_text())
     if stored != settings:
       changed = sorted(k for k in stored.keys() | settings.keys()
                        if stored.get(k) != settings.get(k))
@@ -170,7 +173,7 @@ def build_expert_snapshots(dialogues: Sequence[Dialogue], respond: Responder,
   answer_format = settings.get("teacher", {}).get("format", "")
   records = teacher_records(directory)
   built = failed = 0
-  with open(os.path.join(directory, TEACHER_LOG), "a", encoding="utf-8") as log:
+  with storage.Appender(storage.join(directory, TEACHER_LOG)) as log:
     for dialogue in dialogues:
       saved = _resume_point(directory, dialogue, records, answer_format)
       if saved == 0:
@@ -224,13 +227,12 @@ def load_expert_snapshots(directory: str, dialogues: Sequence[Dialogue],
     ValueError: no expert states there, built with another encoder
       (kind, width or query instruction), or some state missing.
   """
-  path = os.path.join(directory, STATES_FILE)
-  if not os.path.exists(path):
+  path = storage.path(storage.join(directory, STATES_FILE))
+  if not path.exists():
     raise ValueError(f"rl.snapshots={directory!r} holds no expert states "
                      f"({STATES_FILE} missing): build them with "
                      "tools/build_expert_states.py")
-  with open(path, encoding="utf-8") as f:
-    stored = json.load(f).get("encoder", {})
+  stored = json.loads(path.read_text()).get("encoder", {})
   keys = ("kind", "dim", "query_instruction")
   if any(stored.get(k) != encoder_settings.get(k) for k in keys):
     raise ValueError(
@@ -263,7 +265,7 @@ def load_snapshots(directory: str, dialogues: Sequence[Dialogue]
     per_dialogue = []
     for t in range(len(dialogue.sessions)):
       path = path_under(directory, dialogue.dialogue_id, f"s{t}")
-      if not os.path.exists(os.path.join(path, "CURRENT")):
+      if not _saved(path):
         return None
       per_dialogue.append(MemoryBank.load(path))
     banks.append(per_dialogue)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -29,10 +28,11 @@ import jax
 import numpy as np
 from absl import logging
 
+from cmimem_jax import storage
 from cmimem_jax.client import ChatModel
-from cmimem_jax.config import (CONFIG_FILE, Interrupted, config_json,
-                               finite_number, register_section,
-                               validate_config)
+from cmimem_jax.config import (Interrupted, finite_number,
+                               register_section, validate_config,
+                               write_config)
 from cmimem_jax.data.files import WorkdirLock, write_atomic
 from cmimem_jax.data.types import Dialogue, Session
 from cmimem_jax.encoders.base import Encoder
@@ -160,7 +160,7 @@ def trimmed_count(records: Sequence[dict[str, Any]], top_k: int) -> int:
 
 
 def write_jsonl(path: str, records: Sequence[dict[str, Any]]) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  """Writes `records` as the JSONL file `path` (whole, atomically)."""
   write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
@@ -186,8 +186,8 @@ def _check_sft(c) -> None:
   c.check("sft.trim_retrieved", lambda v: isinstance(v, bool),
           "True or False (teacher prompts over sft.max_prompt_tokens "
           "written with fewer retrieved entries)")
-  c.check("sft.data", lambda v: isinstance(v, str) and os.path.isfile(v),
-          "an existing JSONL file (tools/make_sft_data.py writes one)")
+  c.check_location("sft.data", "an existing JSONL file "
+                   "(tools/make_sft_data.py writes one)")
 
 
 register_section("sft", _check_sft)
@@ -199,7 +199,7 @@ def _examples(path: str, tokenizer: Any, max_prompt: int, max_response: int
   dropped and counted."""
   eos = tokenizer.eos_token_id
   examples, too_long = [], 0
-  with open(path, encoding="utf-8") as f:
+  with storage.path(path).open("r") as f:
     for line in f:
       if not line.strip():
         continue
@@ -225,9 +225,9 @@ def run_sft(config, workdir: str,
   lock = WorkdirLock(workdir, "sft")
   if jax.process_index() == 0:
     lock.acquire()
-  os.makedirs(workdir, exist_ok=True)
+  storage.makedirs(workdir)
   if jax.process_index() == 0:
-    write_atomic(os.path.join(workdir, CONFIG_FILE), config_json(config))
+    write_config(config, workdir)
   sft = config.sft
   return_large_blocks()  # As `loop.Trainer`: freed buffers leave the RSS.
   mesh = make_mesh(config.mesh)
@@ -275,6 +275,7 @@ def run_sft(config, workdir: str,
                         {"epoch": epoch})
 
   with contextlib.ExitStack() as stack:
+    stack.callback(lock.release)  # Last: once everything is written.
     stack.callback(writer.close)
     stack.enter_context(metrics_follow_checkpoints(checkpointer, writer))
     stack.callback(checkpointer.wait)

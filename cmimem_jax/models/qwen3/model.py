@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from cmimem_jax import storage
 from cmimem_jax.models.attention import (ATTENTION_IMPLS, cached_attention,
                                         causal_self_attention,
                                         grouped_rows_attention,
@@ -134,8 +134,10 @@ class Qwen3Config:
 
   @classmethod
   def from_pretrained(cls, directory: str, **overrides: Any) -> Qwen3Config:
-    with open(os.path.join(directory, "config.json")) as f:
-      return cls.from_hf(json.load(f), **overrides)
+    """The architecture in `directory/config.json` (local or `gs://`:
+    `tools/plan.py` reads a bucket's checkpoint without its weights)."""
+    return cls.from_hf(json.loads(storage.path(
+        storage.join(directory, "config.json")).read_text()), **overrides)
 
   def to_hf(self, model_type: str = "") -> dict[str, Any]:
     """A HF `config.json` dict transformers can load."""
