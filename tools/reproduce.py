@@ -1019,9 +1019,8 @@ def equal_budget_section(workdir: str) -> list[str]:
     budget = json.load(f)["memory"]["chunk_budget_chars"]
   records = _evaluated_records(eval_dirs)
   differences = paired_differences(records)
-  with open(os.path.join(workdir, "differences_equal_budget.json"),
-            "w") as f:
-    json.dump(differences, f, indent=1)
+  write_json(os.path.join(workdir, "differences_equal_budget.json"),
+             differences)
   return [f"## At a common LookupChunk budget ({budget:,} characters for "
           "every policy; the same banks)", "", results_table(results), "",
           differences_table(differences), "",
