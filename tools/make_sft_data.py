@@ -25,6 +25,7 @@ sessions, whose prompts carry a large bank, instead of skipping them.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -34,7 +35,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import ml_collections  # noqa: E402
 
 from cmimem_jax.client import EndpointConfig, OpenAIClient  # noqa: E402
-from cmimem_jax.config import memory_defaults  # noqa: E402
+from cmimem_jax.config import (CallsFailed, check_failures,  # noqa: E402
+                               memory_defaults)
 from cmimem_jax.data import load_dataset  # noqa: E402
 from cmimem_jax.encoders import make_encoder  # noqa: E402
 from cmimem_jax.sampling import (load_tokenizer,  # noqa: E402
@@ -88,6 +90,11 @@ def main(argv: list[str] | None = None) -> dict:
                       "sentences as fit this many tokens, EOS included")
   parser.add_argument("--base_url", default="", help="teacher endpoint")
   parser.add_argument("--model", default="", help="teacher model name")
+  parser.add_argument("--max_failure_rate", type=float, default=0.0,
+                      help="--teacher=endpoint: the share of failed teacher "
+                      "calls accepted (their sessions are rejected); above "
+                      "it, or when every call failed, nothing is written "
+                      "and the command exits 1")
   args = parser.parse_args(argv)
   teacher = args.teacher or ("endpoint" if args.base_url else "annotations")
   if (teacher == "endpoint") != bool(args.base_url):
@@ -106,9 +113,11 @@ def main(argv: list[str] | None = None) -> dict:
   fits = None
   if args.max_prompt_tokens > 0:
     fits = token_budget(tokenizer, args.max_prompt_tokens)
+  failures: collections.Counter[str] = collections.Counter()
   if teacher == "endpoint":
     responder = endpoint_teacher(OpenAIClient(EndpointConfig(
-        base_url=args.base_url, model=args.model)), encoder, args.top_k)
+        base_url=args.base_url, model=args.model)), encoder, args.top_k,
+                                 failures)
     source = f"teacher:{args.model}"
   elif teacher == "extractive":
     budget = (response_budget(tokenizer, args.max_response_tokens)
@@ -119,6 +128,14 @@ def main(argv: list[str] | None = None) -> dict:
     responder, source = annotation_responder, "annotations"
   records, rejected = teacher_trajectories(dialogues, encoder, responder,
                                            memory, args.top_k, source, fits)
+  try:
+    # A failed call is never a trajectory: one teacher call per session.
+    check_failures(failures["policy_call"],
+                   sum(len(d.sessions) for d in dialogues),
+                   args.max_failure_rate, f"teacher calls to {args.base_url}",
+                   kept=f"nothing written to {args.output}")
+  except CallsFailed as e:
+    raise SystemExit(f"error: {e}") from None
   write_jsonl(args.output, records)
   summary = {"output": args.output, "dialogues": len(dialogues),
              "records": len(records), "rejected": rejected,

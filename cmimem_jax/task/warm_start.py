@@ -18,6 +18,7 @@ the result (`rl.load_model_weights`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import time
@@ -134,10 +135,12 @@ def extractive_teacher(response_fits: ResponseFits | None = None
   return responder
 
 
-def endpoint_teacher(chat: ChatModel, encoder: Encoder, top_k: int
+def endpoint_teacher(chat: ChatModel, encoder: Encoder, top_k: int,
+                     failures: collections.Counter | None = None
                      ) -> Callable[[Dialogue], Responder]:
-  """Teacher = any chat model answering the policy prompt."""
-  return lambda dialogue: policy_responder(chat, encoder, top_k)
+  """Teacher = any chat model answering the policy prompt; a failed call
+  is an invalid (rejected) response, counted in `failures["policy_call"]`."""
+  return lambda dialogue: policy_responder(chat, encoder, top_k, failures)
 
 
 def response_budget(tokenizer: Any, max_tokens: int) -> ResponseFits:

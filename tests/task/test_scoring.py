@@ -115,8 +115,8 @@ def llm_reward(answer_url, judge_url, concurrency, **endpoint):
 
 def records(terms):
   """What `rollouts.jsonl` holds of each rollout's terms."""
-  return [json.dumps({**t.scalars(), "semantic_skip_statement_rhos":
-                      t.semantic_skip_statement_rhos}) for t in terms]
+  return [json.dumps({**t.scalars(), "semantic_skip_statement_cosines":
+                      t.semantic_skip_statement_cosines}) for t in terms]
 
 
 def test_every_call_in_flight_same_rewards_within_the_latency_bound(step):
