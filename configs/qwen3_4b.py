@@ -27,7 +27,7 @@ HARDWARE_FIELDS = (
     "mesh", "encoder.kind", "encoder.endpoint",
     "policy.dtype", "policy.param_dtype", "policy.remat",
     "policy.attention_impl", "rollout.engine", "rollout.max_rows_per_wave",
-    "rollout.vllm", "rollout.buckets")
+    "rollout.decode_devices", "rollout.vllm", "rollout.buckets")
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -40,5 +40,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.encoder.kind = "qwen3_embedding"
   config.policy.update({"dtype": "bfloat16", "param_dtype": "float32",
                         "remat": "full", "attention_impl": "auto"})
-  config.rollout.update({"engine": "jax", "max_rows_per_wave": 128})
+  # Rollouts decode on every chip, each holding its share of the rows and
+  # KV caches.
+  config.rollout.update({"engine": "jax", "max_rows_per_wave": 128,
+                         "decode_devices": "mesh"})
   return config

@@ -1,6 +1,7 @@
 """The learner, knowing nothing of memories: chunked per-token log-probs,
 group advantages, the GRPO and SFT objectives over one sharded, jitted
-train step (`Learner`), Orbax checkpoints and metrics. Imports only
+train step (`Learner`), one whole GRPO step with the reward passed in
+(`GRPOStep`), Orbax checkpoints and metrics. Imports only
 `models`, `parallel` and `sampling`."""
 
 from cmimem_jax.rl.advantages import group_advantages
@@ -15,11 +16,15 @@ from cmimem_jax.rl.losses import (AGGREGATIONS, GRPOLossConfig, Objective,
                                   k3_kl, sft_loss)
 from cmimem_jax.rl.metrics import MetricsWriter, read_metrics, read_rollouts
 from cmimem_jax.rl.signals import StopSignals
+from cmimem_jax.rl.step import (GRPOStep, RewardFn, Rollouts, RolloutSettings,
+                                Scores, StepResult)
 from cmimem_jax.rl.trainer import (Learner, OptimizerConfig, TrainStepConfig,
                                    accumulated_grads, make_optimizer)
 
 __all__ = [
-    "AGGREGATIONS", "aggregation_scale", "Checkpointer", "GRPOLossConfig", "Learner", "MetricsWriter", "Objective",
+    "AGGREGATIONS", "aggregation_scale", "Checkpointer", "GRPOLossConfig",
+    "GRPOStep", "Learner", "RewardFn", "Rollouts", "RolloutSettings",
+    "Scores", "StepResult", "MetricsWriter", "Objective",
     "OptimizerConfig", "Restored", "SFTLossConfig", "StopSignals", "TrainStepConfig",
     "accumulated_grads", "group_advantages", "grpo_loss", "k3_kl",
     "load_model_weights", "make_optimizer", "mean_continuation_logprobs",

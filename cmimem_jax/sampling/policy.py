@@ -155,16 +155,18 @@ class ChatPolicy:
           buckets: Sequence[int] = DEFAULT_BUCKETS, mesh: Mesh | None = None,
           constraint: TokenConstraint | None = None,
           max_rows_per_wave: int = 0, share_prompts: bool = True,
-          **kwargs: Any) -> ChatPolicy:
+          decode_devices: str = "one", **kwargs: Any) -> ChatPolicy:
     """A policy generating with the JAX `Sampler` over `model` (every
     completion a match of `constraint`, if given; at most
     `max_rows_per_wave` rows decoded at once, 0 = all; `share_prompts`:
-    identical consecutive prompts share one prefill, see `Sampler`)."""
+    identical consecutive prompts share one prefill; `decode_devices`:
+    "one" or "mesh" device(s) of `mesh` decode; see `Sampler`)."""
     eos_ids, pad_id = special_ids(tokenizer)
     sampler = Sampler(model, SamplingConfig(eos_ids=eos_ids, pad_id=pad_id),
                       buckets=buckets, mesh=mesh, constraint=constraint,
                       max_rows_per_wave=max_rows_per_wave,
-                      share_prompts=share_prompts)
+                      share_prompts=share_prompts,
+                      decode_devices=decode_devices)
     return cls(sampler, tokenizer, max_prompt_tokens, **kwargs)
 
   def set_model(self, model: Qwen3) -> None:
