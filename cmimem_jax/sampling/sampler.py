@@ -376,6 +376,10 @@ class Sampler:
       mesh = Mesh(mesh.devices.flat[:1].reshape((1,) * mesh.devices.ndim),
                   mesh.axis_names)
       self._local_sharding = NamedSharding(mesh, PartitionSpec())
+    if decode_devices == "mesh" and not jax.config.jax_threefry_partitionable:
+      raise ValueError("decode_devices='mesh' needs jax_threefry_partitionable"
+                       " (JAX's default): without it a row's samples depend "
+                       "on how the rows are split")
     self.mesh = mesh
     self.abstract = any(isinstance(x, jax.ShapeDtypeStruct)
                         for x in jax.tree.leaves(nnx.state(model)))
