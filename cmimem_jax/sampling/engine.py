@@ -68,3 +68,21 @@ class GenerationEngine(Protocol):
     `tools/plan.py` compiles ahead of time. Engines whose program is not
     JAX's raise NotImplementedError."""
     ...
+
+
+class EngineHooks:
+  """The training-step hooks of `GenerationEngine` for an engine with
+  nothing to free or report, whose log-probs are the learner's (a base
+  for stand-in engines; `Sampler` and `VLLMEngine` define their own)."""
+
+  reports_learner_logprobs = True
+
+  def release(self, programs: bool = False, weights: bool = False) -> None:
+    del programs, weights
+
+  def update_metrics(self) -> dict[str, Any]:
+    return {}
+
+  def lower(self, rows: int, length: int, max_new_tokens: int,
+            group: int = 1, constrained: bool = True) -> Any:
+    raise NotImplementedError(f"{type(self).__name__} has no JAX program")

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 from absl import logging
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cmimem_jax.cmi.logprob import PolicyProfileLM
@@ -221,6 +222,50 @@ def jax_policy(config: Any, model: Qwen3, tokenizer: Any, mesh: Mesh,
                         decode_devices=rollout.decode_devices)
 
 
+def grpo_step(config: Any, model: Qwen3, tokenizer: Any, mesh: Mesh,
+              workdir: str = "") -> GRPOStep:
+  """The GRPO step of a training config as `Trainer` runs it: the
+  learner of `model` (`train_step_config`, the KL / App. E reference),
+  the rollout engine (`jax_policy`, or vLLM over an HF copy of the
+  weights in `workdir`), the grammar constraint when
+  `rollout.constrained_dsl`. `model` may be abstract (`abstract_model`):
+  then nothing is placed and the step only lowers its programs
+  (`tools/plan.py`)."""
+  # Grammar-constrained rollouts: every response is valid DSL, and the
+  # learner takes its log-probs under the same mask.
+  constraint = (TokenConstraint.from_regex(response_regex(), tokenizer)
+                if config.rollout.constrained_dsl else None)
+  min_budget = None
+  if constraint is not None:
+    vocab = model.config.vocab_size
+    # The sampler's own device copy where it decodes on the whole mesh
+    # (`TokenConstraint.device_table`); never `next_state`, which only
+    # the sampler reads (decoding on one device, a copy replicated over
+    # the mesh would be 40 MB per device).
+    min_budget = (constraint.padded_table("min_budget", vocab)
+                  if _is_abstract(model) else constraint.device_table(
+                      "min_budget", vocab, NamedSharding(mesh, P())))
+  learner = Learner(model, train_step_config(config, constraint), mesh,
+                    min_budget=min_budget,
+                    keep_reference=config.reward.estimator == "logprob")
+  if config.rollout.engine == "vllm":
+    directory = checkpoint_dir(workdir)
+    save_hf(learner.model, directory)
+    eos_ids, pad_id = special_ids(tokenizer)
+    policy = ChatPolicy(
+        VLLMEngine(directory, eos_ids, pad_id, tuple(config.rollout.buckets),
+                   **dict(config.rollout.get("vllm", {}))),
+        tokenizer, config.rollout.max_prompt_tokens)
+  else:
+    policy = jax_policy(config, learner.model, tokenizer, mesh, constraint)
+  return GRPOStep(learner, policy, rollout_settings(config), constraint)
+
+
+def _is_abstract(model: Qwen3) -> bool:
+  return any(isinstance(x, jax.ShapeDtypeStruct)
+             for x in jax.tree.leaves(nnx.state(model)))
+
+
 def _check_buckets(c) -> None:
   """Prompts are left-padded to `rollout.buckets` (ascending; the largest
   must hold `rollout.max_prompt_tokens`, or a valid prompt is refused
@@ -330,36 +375,9 @@ class Trainer:
           f"policy's max_position_embeddings "
           f"{model.config.max_position_embeddings}")
     self.group = config.rollout.num_rollouts
-    # Grammar-constrained rollouts: every response is valid DSL, and the
-    # learner takes its log-probs under the same mask.
-    self.constraint = (TokenConstraint.from_regex(response_regex(), tokenizer)
-                       if config.rollout.constrained_dsl else None)
-    min_budget = None
-    if self.constraint is not None:
-      # The sampler's own device copy where it decodes on the whole mesh
-      # (`TokenConstraint.device_table`); never `next_state`, which only
-      # the sampler reads (on a CPU mesh it decodes on one device, and a
-      # copy replicated over the mesh would be 40 MB per device).
-      min_budget = self.constraint.device_table(
-          "min_budget", model.config.vocab_size,
-          NamedSharding(self.mesh, P()))
-    self.learner = Learner(model, train_step_config(config, self.constraint),
-                           self.mesh, min_budget=min_budget,
-                           keep_reference=(config.reward.estimator == "logprob"))
-    buckets = tuple(config.rollout.buckets)
-    if config.rollout.engine == "vllm":
-      directory = checkpoint_dir(workdir)
-      save_hf(self.learner.model, directory)
-      eos_ids, pad_id = special_ids(tokenizer)
-      self.policy = ChatPolicy(
-          VLLMEngine(directory, eos_ids, pad_id, buckets,
-                     **dict(config.rollout.get("vllm", {}))),
-          tokenizer, config.rollout.max_prompt_tokens)
-    else:
-      self.policy = jax_policy(config, self.learner.model, tokenizer,
-                               self.mesh, self.constraint)
-    self.grpo = GRPOStep(self.learner, self.policy, rollout_settings(config),
-                         self.constraint)
+    self.grpo = grpo_step(config, model, tokenizer, self.mesh, workdir)
+    self.learner, self.policy = self.grpo.learner, self.grpo.policy
+    self.constraint = self.grpo.constraint
     self.validation, self.curriculum = plan_sessions(config, self.dialogues)
     self.total_steps = config.rl.max_steps or self.curriculum.planned_steps
     self.checkpointer = Checkpointer.for_workdir(workdir, config.checkpoint)
@@ -386,7 +404,8 @@ class Trainer:
       reference = self.learner.reference_model
       profile_lm = PolicyProfileLM(
           ChatPolicy.jax(reference, tokenizer,
-                         config.rollout.max_prompt_tokens, buckets, self.mesh,
+                         config.rollout.max_prompt_tokens,
+                         tuple(config.rollout.buckets), self.mesh,
                          decode_devices=config.rollout.decode_devices),
           lambda: reference, reward_config.profile_max_new_tokens,
           config.rl.logprob_chunk)

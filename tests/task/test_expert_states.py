@@ -13,6 +13,7 @@ import pytest
 from cmimem_jax.client import CallResult
 from cmimem_jax.memory import MemoryBank
 from cmimem_jax.rl import read_metrics
+from cmimem_jax.sampling import EngineHooks
 from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
 from cmimem_jax.task.episode import policy_messages
 from cmimem_jax.task.loop import Trainer
@@ -92,7 +93,7 @@ def test_states_are_resumable_and_count_rejections(tmp_path):
     _build(tmp_path / "whole", ScriptedTeacher(), **{"encoder.dim": 32})
 
 
-class CopyingEngine:
+class CopyingEngine(EngineHooks):
   """Every rollout writes the marker again: a cross-duplicate exactly when
   M_{t-1} (the expert state) holds it."""
 
