@@ -222,3 +222,61 @@ def test_host_chip_measures_this_machine():
   chip = plan.host_chip("float32")
   assert chip.peak_bf16_tflops > 0 and chip.hbm_gbytes_per_s > 0
   assert chip.hbm_gib > 1 and chip.source.startswith("measured on this host")
+
+
+# --- the plan's programs are the trainer's ------------------------------------
+
+
+@pytest.mark.slow
+def test_the_trainer_decodes_on_the_mesh_and_the_plan_lowers_its_programs(
+    tmp_path, monkeypatch):
+  """configs/tiny.py decoding on the mesh of the 8 fake devices
+  (`rollout.decode_devices="mesh"`, data:2 x fsdp:2 x tensor:2): the
+  trainer's sampler splits every KV cache leaf over the 4 batch shards and
+  samples the tokens / log-probs of one-device decoding; the generation
+  program and the update that `plan.trainer_step` lowers from abstract
+  weights are the very programs of the `Trainer`'s own step
+  (`Trainer.grpo`, over its real weights): equal StableHLO text."""
+  import hashlib
+
+  import numpy as np
+  import test_train
+  from cmimem_jax.parallel import BATCH_AXES
+  from cmimem_jax.sampling import Sampler
+  from cmimem_jax.task.loop import Trainer
+  overrides = {"mesh": "data:2,fsdp:2,tensor:2",
+               "rollout.decode_devices": "mesh"}
+  config = test_train.tiny_config(**overrides)
+  # The step's programs, not the start-up's snapshots.
+  monkeypatch.setattr(Trainer, "_snapshots", lambda self, version: {})
+  trainer = Trainer(config, str(tmp_path))
+  engine = trainer.policy.engine
+  assert engine.row_shards == 4
+  rollout = config.rollout
+  rows = [[11 + p] * (5 + p) for p in range(3) for _ in range(4)]
+  key = jax.random.key(1)
+  got = trainer.policy.generate(rows, key, 1.0, 0.9, 8)
+  one = Sampler(trainer.learner.model, engine.config, engine.buckets,
+                mesh=trainer.mesh)
+  want = one.generate(rows, key, 1.0, 0.9, 8)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+  for leaf in jax.tree.leaves(list(engine._caches.values())):
+    assert BATCH_AXES in leaf.sharding.spec
+    assert leaf.addressable_shards[0].data.nbytes * 4 <= leaf.nbytes
+  prompt, new = max(rollout.buckets), rollout.max_new_tokens
+  sessions = config.rl.sessions_per_batch
+  theirs = {"rollout": trainer.grpo.lower_rollout(sessions, prompt),
+            "train": trainer.grpo.lower_update(
+                sessions * rollout.num_rollouts, prompt)}
+  step, _, notes = plan.trainer_step(config, trainer.mesh)
+  assert notes == {"tokenizer": "the config's"}
+  # One wave of 3 sessions (padded to a prompt per batch shard) and 12
+  # training rows (3 per shard, one micro-batch).
+  ours = {name: plan.lower_program(step, name, 1 if name == "rollout" else 3,
+                                   prompt + new, new)
+          for name in ("rollout", "train")}
+  for name in theirs:
+    fingerprint = lambda lowered: hashlib.sha256(  # noqa: E731
+        lowered.as_text().encode()).hexdigest()
+    assert fingerprint(ours[name]) == fingerprint(theirs[name]), name

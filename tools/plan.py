@@ -264,9 +264,37 @@ def step_cost(c, program: str, rows: int, length: int, completion: int,
       completion)) * cache_per_token
 
 
-def measure(compiled, chip, cost: tuple[float, float]) -> dict:
+def program_cost(c, name: str, per_chip: int, length: int, completion: int,
+                 passes: int, group: int, cmi_shape: tuple[int, int]
+                 ) -> tuple[tuple[float, float], dict[str, tuple[float,
+                                                              float]]]:
+  """(FLOPs, HBM bytes) per chip of one call of `lower_program`'s `name`,
+  and of the parts `run_cost` times: "train" one micro-batch; "rollout"
+  the generation program's prefill of the wave's prompts
+  ("rollout_prefill") and one decoding step of its rows
+  ("rollout_decode"; the program runs `completion` of them in its
+  `while_loop`, which XLA's cost analysis counts once); "cmi_kernel" the
+  kernel call."""
+  if name == "rollout":
+    prefill = step_cost(c, "rollout_prefill", per_chip, length, completion,
+                        passes, group)
+    decode = step_cost(c, "rollout_decode", per_chip, length, completion,
+                       passes, group)
+    total = (prefill[0] + completion * decode[0],
+             prefill[1] + completion * decode[1])
+    return total, {"rollout_prefill": prefill, "rollout_decode": decode}
+  if name == "cmi_kernel":
+    cost = step_cost(c, name, per_chip, *cmi_shape, passes, group)
+  else:
+    cost = step_cost(c, name, per_chip, length, completion, passes, group)
+  return cost, {name: cost}
+
+
+def measure(compiled, chip, cost: tuple[float, float],
+            resident: int = 0) -> dict:
   """Per-chip memory, XLA's and the model's cost, and the roofline of a
-  compiled program."""
+  compiled program; `resident`: bytes per chip that stay allocated beside
+  it (`resident_bytes`), added to its total for `fits`."""
   memory = compiled.memory_analysis()
   xla = compiled.cost_analysis()
   xla = (xla[0] if isinstance(xla, list) else xla) or {}
@@ -284,11 +312,14 @@ def measure(compiled, chip, cost: tuple[float, float]) -> dict:
           float(xla.get("bytes accessed", 0.0)) / GIB, 3),
       "model_tflops": round(flops / 1e12, 3),
       "model_bytes_gib": round(accessed / GIB, 3)}
+  if resident:
+    row["resident_gib"] = round(resident / GIB, 3)
+    row["with_resident_gib"] = round((total + resident) / GIB, 3)
   if chip is not None:
     seconds, bound = roofline(cost, chip)
     row.update(roofline_s=round(seconds, 4), bound=bound,
                hbm_gib=round(chip.hbm_gib, 3),
-               fits=total <= chip.hbm_gib * GIB)
+               fits=total + resident <= chip.hbm_gib * GIB)
   return row
 
 
@@ -310,7 +341,7 @@ def roofline(cost: tuple[float, float], chip: Chip) -> tuple[float, str]:
 LONGMEMEVAL_SESSIONS_PER_DIALOGUE = 48
 QA_PER_SESSION = 5
 # The programs a run's step is made of, compiled at the run's rows per chip.
-RUN_PROGRAMS = ("train", "rollout_prefill", "rollout_decode")
+RUN_PROGRAMS = ("train", "rollout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,19 +398,23 @@ def run_cost(shape: RunShape, seconds: dict[str, float]) -> dict:
           "chip_hours": round(hours * shape.chips, 3), "chips": shape.chips}
 
 
-def run_layout(config, chips: int) -> dict[str, int]:
+def run_layout(config, chips: int, decoding_chips: int) -> dict[str, int]:
   """Rows per chip of each program in the config's run on `chips` chips:
-  a micro-batch's training rows; a decoding wave's prompts (at most
-  `rollout.max_rows_per_wave` rows, whole groups; 0: the whole step), and
-  the waves of a step. A share that does not divide rounds up (the
-  program pads)."""
+  "train" a micro-batch's training rows (a share that does not divide
+  rounds up); "rollout" a decoding wave's prompts on each of the
+  `decoding_chips` that decode (`Sampler.wave_rows`: whole groups x
+  decoding chips, at most `rollout.max_rows_per_wave` rows; prompts
+  padded to a multiple of the decoding chips); "waves" the waves of a
+  step."""
+  from cmimem_jax.sampling.sampler import wave_rows
   rl, rollout = config.rl, config.rollout
-  rows = rl.sessions_per_batch * rollout.num_rollouts
-  wave = min(rollout.max_rows_per_wave or rows, rows)
-  prompts = max(1, wave // rollout.num_rollouts)
+  group = rollout.num_rollouts
+  rows = rl.sessions_per_batch * group
+  wave = min(wave_rows(rows, group, decoding_chips,
+                       rollout.max_rows_per_wave), rows)
+  prompts = wave // group
   return {"train": -(-rows // (rl.micro_batches * chips)),
-          "rollout_prefill": -(-prompts // chips),
-          "rollout_decode": -(-prompts // chips),
+          "rollout": -(-prompts // decoding_chips),
           "waves": -(-rl.sessions_per_batch // prompts)}
 
 
@@ -504,11 +539,13 @@ def _run(args, config, model_config, chip: Chip, layout: dict[str, int],
       "steps": f"{steps}; sessions: {source}",
       "rollout_prefill_s": (
           f"{layout['waves']} waves x {seconds['rollout_prefill']:.4g} s: "
-          f"{layout['rollout_prefill']} prompts/chip of {prompt} tokens"),
+          f"the Sampler's generation program's prefill, "
+          f"{layout['rollout']} prompts/chip of {prompt} tokens"),
       "rollout_decode_s": (
           f"{layout['waves']} waves x {completion} tokens (every rollout to "
-          f"the cap) x {seconds['rollout_decode']:.4g} s: "
-          f"{layout['rollout_decode'] * rollout.num_rollouts} rows/chip, "
+          f"the cap) x {seconds['rollout_decode']:.4g} s: one step of the "
+          "generation program's decode loop, "
+          f"{layout['rollout'] * rollout.num_rollouts} rows/chip, "
           "each step reads the weights and the whole allocated KV cache "
           f"({prompt} shared prompt + {completion} own tokens)"),
       "reward_cmi_s": (
@@ -546,6 +583,136 @@ def _run(args, config, model_config, chip: Chip, layout: dict[str, int],
           "assumptions": assumptions}
 
 
+class _StandInTokenizer:
+  """What the trainer's programs take of a tokenizer (EOS and pad ids),
+  where the config's own is not on this machine (an HF checkpoint path
+  left for the run, as the 4B configs do)."""
+
+  def __init__(self, eos_token_id: int, pad_token_id: int = 0):
+    self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+
+
+def _tokenizer(policy, checkpoint: str, eos) -> tuple[object, str]:
+  """(the tokenizer the trainer would load, where it came from): the
+  config's (or `--checkpoint`'s) when it is here; else a stand-in with
+  the architecture's EOS id (pad 0), which changes no shape."""
+  from cmimem_jax.sampling import (checkpoint_tokenizer_path, load_tokenizer,
+                                   policy_tokenizer_path)
+  named = checkpoint or policy.tokenizer or policy.path or (
+      policy.source != "hf")
+  if named:
+    try:
+      path = (checkpoint_tokenizer_path(checkpoint) if checkpoint
+              else policy_tokenizer_path(policy))
+      return load_tokenizer(path), "the config's"
+    except (OSError, ValueError):
+      pass
+  eos = eos[0] if isinstance(eos, (tuple, list)) else eos
+  return (_StandInTokenizer(int(eos or 0)),
+          "stand-in: the architecture's EOS id, pad 0")
+
+
+def trainer_step(config, mesh, preset_name: str = "", checkpoint: str = "",
+                 layers: int = 0, completion: int = 0):
+  """The trainer's GRPO step (`task.loop.grpo_step`: its learner, its
+  rollout engine and their configs) over abstract weights on `mesh`:
+  nothing is allocated, its programs are only lowered. The architecture is
+  the policy's as the trainer loads it (a random policy's vocabulary is its
+  tokenizer's), or `preset_name` / `checkpoint`'s config.json, with
+  `layers` layers (0: all); `completion`: `rollout.max_new_tokens` (0:
+  the config's). A vLLM config's rollouts are priced with the JAX
+  sampler's program decoding on the mesh (vLLM's own is not XLA's).
+
+  Returns:
+    (the `rl.GRPOStep`, its `Qwen3Config`, notes on what stood in).
+  """
+  from cmimem_jax.models.qwen3 import Qwen3Config, preset
+  from cmimem_jax.models.qwen3.params import abstract_model
+  from cmimem_jax.sampling.policy import policy_runtime, random_policy_config
+  from cmimem_jax.task.loop import grpo_step
+  config = config.copy_and_resolve_references()
+  policy = config.policy
+  runtime = policy_runtime(policy)
+  if layers:
+    runtime["num_hidden_layers"] = layers
+  if completion:
+    config.rollout.max_new_tokens = completion
+  notes = {}
+  if config.rollout.engine != "jax":
+    config.rollout.engine, config.rollout.decode_devices = "jax", "mesh"
+    notes["engine"] = (f"rollout.engine={config.rollout.engine}: the JAX "
+                       "sampler's program decoding on the mesh stands in")
+  # A random policy's vocabulary is its tokenizer's (`load_policy`).
+  random = policy.source == "random" and not (checkpoint or preset_name)
+  if checkpoint:
+    model_config = Qwen3Config.from_pretrained(checkpoint, **runtime)
+  elif not random:
+    # An HF / GGUF policy: the architecture the config names
+    # (`policy.preset`; configs/paper.py).
+    model_config = preset(preset_name or policy.preset, **runtime)
+  tokenizer, notes["tokenizer"] = _tokenizer(
+      policy, checkpoint, None if random else model_config.eos_token_id)
+  if random:
+    model_config = random_policy_config(policy, len(tokenizer), **(
+        {"num_hidden_layers": layers} if layers else {}))
+  step = grpo_step(config, abstract_model(model_config), tokenizer, mesh)
+  return step, model_config, notes
+
+
+def lower_program(step, name: str, per_chip: int, length: int,
+                  completion: int, cmi_shape: tuple[int, int] = (20, 1024)):
+  """`name`'s program lowered at `per_chip` rows on each chip that runs
+  it: "train" the step's update (`per_chip` rows of each of the
+  `rl.micro_batches` micro-batches on each batch shard, rows of `length`
+  tokens, the last `completion` the rollout's), "rollout" the engine's
+  generation program of one wave (`per_chip` prompts on each decoding
+  chip, `group` rollouts each, prompt bucket `length - completion`),
+  "cmi_kernel" `residual_cmi` on `per_chip` rows per chip of `cmi_shape`
+  (N, d) memories."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from cmimem_jax.parallel import BATCH_AXES
+  if name == "train":
+    rows = per_chip * step.learner.shards * step.learner.config.micro_batches
+    return step.lower_update(rows, length - completion)
+  if name == "rollout":
+    return step.lower_rollout(per_chip * step.engine.row_shards,
+                              length - completion)
+  if name == "cmi_kernel":
+    from cmimem_jax.cmi.kernel import residual_cmi_unchecked
+    mesh = step.learner.mesh
+    batch = per_chip * mesh.devices.size
+    n, d = cmi_shape
+    sharded = lambda *dims: jax.ShapeDtypeStruct(  # noqa: E731
+        dims[1:], dims[0], sharding=NamedSharding(mesh, P(
+            BATCH_AXES, *([None] * (len(dims) - 2)))))
+    return jax.jit(residual_cmi_unchecked).lower(
+        sharded(jnp.float32, batch, d), sharded(jnp.float32, batch, d),
+        sharded(jnp.float32, batch, n, d), sharded(jnp.bool_, batch, n))
+  raise SystemExit(f"unknown program {name!r}; known: {sorted(PROGRAMS)}")
+
+
+# What `--programs` may name (`lower_program`).
+PROGRAMS = ("train", "rollout", "cmi_kernel")
+
+
+def resident_bytes(step, name: str) -> int:
+  """Per-chip bytes of the learner's state that stays resident while
+  `name` runs but is not among its arguments: during a rollout the
+  optimizer state and the reference weights (the policy's weights are the
+  program's own arguments)."""
+  import jax
+  if name != "rollout":
+    return 0
+  learner = step.learner
+  leaves = jax.tree.leaves((learner.opt_state, learner.ref_params))
+  return sum(int(np.prod(x.sharding.shard_shape(x.shape)))
+             * np.dtype(x.dtype).itemsize for x in leaves
+             if hasattr(x, "sharding"))
+
+
 def main(argv=None) -> list[dict]:
   args = _args(argv)
   # Compiling touches no TPU: several planners (or a test run beside one)
@@ -558,20 +725,11 @@ def main(argv=None) -> list[dict]:
       os.environ["XLA_FLAGS"] = (
           f"{flags} --xla_force_host_platform_device_count={count}")
   import jax
-  import jax.numpy as jnp
-  from flax import nnx
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax.sharding import Mesh
 
   from cmimem_jax.models.attention import resolve_impl
-  from cmimem_jax.models.qwen3 import KVCache, Qwen3Config, preset
-  from cmimem_jax.models.qwen3.params import abstract_model
-  from cmimem_jax.parallel import (BATCH_AXES, optimizer_shardings,
-                                   param_shardings)
   from cmimem_jax.parallel.mesh import AXES, parse_mesh_shape
-  from cmimem_jax.rl.losses import GRPOLossConfig
-  from cmimem_jax.rl.trainer import (OptimizerConfig, TrainStepConfig,
-                                     jit_train_step, make_optimizer,
-                                     step_compiler_options)
+  from cmimem_jax.rl.trainer import step_compiler_options
 
   devices, chip = _devices(args.topology)
   shape = parse_mesh_shape(args.mesh or f"fsdp:{len(devices)}")
@@ -580,19 +738,13 @@ def main(argv=None) -> list[dict]:
                      f"devices of {args.topology}")
   mesh = Mesh(np.array(devices).reshape([shape[a] for a in AXES]), AXES)
   config = _load_config(args.config)
-  policy = config.policy
   if args.chip == "host":
-    chip = host_chip(policy.dtype)
+    chip = host_chip(config.policy.dtype)
   elif args.chip:
     if args.chip not in CHIPS:
       raise SystemExit(f"--chip must be one of {sorted(CHIPS)} or host, got "
                        f"{args.chip!r}")
     chip = CHIPS[args.chip]
-  overrides = dict(dtype=policy.dtype, param_dtype=policy.param_dtype,
-                   remat=policy.remat,
-                   attention_impl=policy.get("attention_impl", "auto"))
-  if args.layers:
-    overrides["num_hidden_layers"] = args.layers
   if args.checkpoint and args.preset:
     raise SystemExit("--checkpoint and --preset both name the architecture: "
                      "give one")
@@ -600,165 +752,89 @@ def main(argv=None) -> list[dict]:
       os.path.join(args.checkpoint, "config.json")):
     raise SystemExit(f"--checkpoint={args.checkpoint}: no config.json there "
                      "(an HF checkpoint directory)")
-  model_config = (Qwen3Config.from_pretrained(args.checkpoint, **overrides)
-                  if args.checkpoint else
-                  preset(args.preset or policy.preset, **overrides))
-  graphdef, state = nnx.split(abstract_model(model_config), nnx.Param)
-  params = nnx.to_pure_dict(state)
-  p_shardings = param_shardings(params, mesh)
-  shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
-
-  def abstract(tree, shardings):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=s), tree, shardings)
-
-  def spec(dtype, *dims):
-    return jax.ShapeDtypeStruct(dims, dtype, sharding=NamedSharding(
-        mesh, P(BATCH_AXES, *([None] * (len(dims) - 1)))))
-
-  a_params = abstract(params, p_shardings)
-  rl = config.rl
-  step_config = TrainStepConfig(
-      loss=GRPOLossConfig(rl.epsilon_low, rl.epsilon_high, rl.kl_beta),
-      optimizer=OptimizerConfig(learning_rate=rl.learning_rate),
-      micro_batches=1, temperature=config.rollout.temperature,
-      logprob_chunk=rl.logprob_chunk)
-  optimizer = make_optimizer(step_config.optimizer)
-  with_ref = rl.kl_beta > 0
-  # Forward + backward (x2), the remat re-forward, the reference forward.
-  passes = 3 + (model_config.remat != "none") + with_ref
-
-  # Outside the mesh context: these run eagerly, on the host.
-  o_shardings = optimizer_shardings(optimizer, params, p_shardings, mesh)
-  a_opt = abstract(jax.eval_shape(optimizer.init, params), o_shardings)
-
-  def train(batch: int, length: int, completion: int):
-    step = jit_train_step(graphdef, step_config, mesh, optimizer,
-                          p_shardings, o_shardings, with_reference=with_ref)
-    a_batch = {"tokens": spec(jnp.int32, batch, length),
-               "mask": spec(jnp.int32, batch, length),
-               "loss_mask": spec(jnp.int32, batch, length),
-               "old_logprobs": spec(jnp.float32, batch, length),
-               "advantages": spec(jnp.float32, batch),
-               "token_weights": spec(jnp.float32, batch, length)}
-    # Rows sharing no prompt (group 1): splash attention over whole rows.
-    return step.lower(length - completion, 1, a_params, a_opt, a_batch,
-                      a_params if with_ref else None, None)
-
-  cache_spec = NamedSharding(mesh, P(None, None, "tensor", BATCH_AXES, None))
-
-  def abstract_cache(batch: int, length: int):
-    cache = jax.eval_shape(lambda: KVCache.zeros(model_config, batch, length))
-    return KVCache(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-                     for x, s in ((cache.keys, cache_spec),
-                                  (cache.values, cache_spec),
-                                  (cache.valid, NamedSharding(
-                                      mesh, P(BATCH_AXES, None))))))
-
-  group = config.rollout.num_rollouts
-
-  def prefill(prompts: int, length: int, completion: int):
-    def run(params, tokens, positions, mask, cache):
-      model = nnx.merge(graphdef, params)
-      hidden, cache = model.hidden_states(tokens, positions, mask, cache, 0)
-      return model.logits(hidden[:, -1]), cache
-    prompt = length - completion
-    return jax.jit(run, donate_argnums=(4,)).lower(
-        a_params, spec(jnp.int32, prompts, prompt),
-        spec(jnp.int32, prompts, prompt), spec(jnp.int32, prompts, prompt),
-        abstract_cache(prompts, prompt))
-
-  def decode(prompts: int, length: int, completion: int):
-    def run(params, token, position, mask, prompt_cache, cache, index):
-      model = nnx.merge(graphdef, params)
-      logits, cache = model(token, position, mask, cache, index,
-                            prefix=prompt_cache)
-      return logits[:, 0], cache
-    rows = prompts * group
-    return jax.jit(run, donate_argnums=(5,)).lower(
-        a_params, spec(jnp.int32, rows, 1), spec(jnp.int32, rows, 1),
-        spec(jnp.int32, rows, 1),
-        abstract_cache(prompts, length - completion),
-        abstract_cache(rows, completion),
-        jax.ShapeDtypeStruct((), jnp.int32))
-
-  def cmi_kernel(batch: int, n: int, d: int):
-    from cmimem_jax.cmi.kernel import residual_cmi_unchecked
-    vectors = jax.ShapeDtypeStruct((batch, d), jnp.float32, sharding=(
-        NamedSharding(mesh, P(BATCH_AXES, None))))
-    return jax.jit(residual_cmi_unchecked).lower(
-        vectors, vectors, spec(jnp.float32, batch, n, d),
-        spec(jnp.bool_, batch, n))
-
-  programs: dict[str, Callable] = {"train": train, "rollout_prefill": prefill,
-                                   "rollout_decode": decode,
-                                   "cmi_kernel": cmi_kernel}
   names = (list(RUN_PROGRAMS) if args.run else
            [p for p in args.programs.split(",") if p])
-  unknown = set(names) - set(programs)
+  unknown = set(names) - set(PROGRAMS)
   if unknown:
     raise SystemExit(f"unknown programs {sorted(unknown)}; known: "
-                     f"{sorted(programs)}")
+                     f"{sorted(PROGRAMS)}")
   rollout = config.rollout
   lengths = ([int(x) for x in args.length.split(",")] if args.length else
              [rollout.max_prompt_tokens + rollout.max_new_tokens])
   budgets = ([float(x) for x in args.budgets.split(",")] if args.budgets
              else [chip.hbm_gib] if chip else [16.0, 32.0, 95.0])
-  if args.run:
-    if chip is None or len(lengths) != 1:
-      raise SystemExit("--run needs a chip's peak figures (a TPU topology "
-                       "or --chip) and one --length")
-    layout = run_layout(config, len(devices))
-    batches = {name: [layout[name]] for name in names}
-  else:
-    per_chip = [int(b) for b in args.batch.split(",")]
-    batches = {name: per_chip for name in names}
+  if args.run and (chip is None or len(lengths) != 1):
+    raise SystemExit("--run needs a chip's peak figures (a TPU topology "
+                     "or --chip) and one --length")
   seconds: dict[str, float] = {}
   rows = []
-  cmi_n, cmi_d = (int(x) for x in args.cmi_shape.split(","))
+  cmi_shape = tuple(int(x) for x in args.cmi_shape.split(","))
   for length in lengths:
     completion = args.completion or min(rollout.max_new_tokens, length // 4)
+    step, model_config, notes = trainer_step(
+        config, mesh, args.preset, args.checkpoint, args.layers, completion)
+    group = step.settings.group
+    # Forward + backward (x2), the remat re-forward, the reference forward.
+    passes = (3 + (model_config.remat != "none")
+              + step.learner.config.loss.uses_reference)
+    if args.run:
+      layout = run_layout(config, len(devices), step.engine.row_shards)
+      batches = {name: [layout[name]] for name in names}
+    else:
+      batches = {name: [int(b) for b in args.batch.split(",")]
+                 for name in names}
     for name in names:
-      # The cmi_kernel program's own shape (N, d) in the same two slots.
-      shape = ((cmi_n, cmi_d) if name == "cmi_kernel"
-               else (length, completion))
       points = []
       for rows_per_chip in batches[name]:
         start = time.perf_counter()
-        cost = step_cost(model_config, name, rows_per_chip, *shape, passes,
-                         group)
+        cost, parts = program_cost(model_config, name, rows_per_chip, length,
+                                   completion, passes, group, cmi_shape)
         if chip is not None:
-          seconds[name] = roofline(cost, chip)[0]
+          seconds.update({part: roofline(c, chip)[0]
+                          for part, c in parts.items()})
         # The mesh in context: the splash kernel shards itself over it.
         with jax.set_mesh(mesh):
-          lowered = programs[name](rows_per_chip * shards, *shape)
+          lowered = lower_program(step, name, rows_per_chip, length,
+                                  completion, cmi_shape)
           # Decoding attends over the cache on the XLA path.
-          impl = ("cached_xla" if name == "rollout_decode" else resolve_impl(
-              model_config.attention_impl, length, model_config.compute_dtype))
+          impl = resolve_impl(model_config.attention_impl,
+                              length - completion if name == "rollout"
+                              else length, model_config.compute_dtype)
           try:
             measured = measure(lowered.compile(
                 step_compiler_options(mesh) if name == "train" else None),
-                chip, cost)
+                chip, cost, resident_bytes(step, name))
           except jax.errors.JaxRuntimeError as e:
             # The TPU compiler refuses a program over its HBM.
             if "RESOURCE_EXHAUSTED" not in str(e):
               raise
             measured = {"fits": False, "error": str(e).splitlines()[0][:300]}
-        model_fields = ({"cmi_shape": list(shape)}
+        model_fields = ({"cmi_shape": list(cmi_shape)}
                         if name == "cmi_kernel" else
                         {"layers": model_config.num_hidden_layers,
                          "attention_impl": impl})
+        decoding = ({"rollouts_per_prompt": group,
+                     "decode_devices": step.engine.decode_devices,
+                     "decoding_chips": step.engine.row_shards,
+                     **{f"{part}_roofline_s": round(roofline(c, chip)[0], 6)
+                        for part, c in parts.items()
+                        if chip is not None}}
+                    if name == "rollout" else {})
+        global_batch = rows_per_chip * (
+            step.engine.row_shards if name == "rollout" else
+            step.learner.shards * step.learner.config.micro_batches
+            if name == "train" else len(devices))
         row = {"program": name, "topology": args.topology,
                "device_kind": devices[0].device_kind,
                "devices": len(devices), "mesh": dict(mesh.shape),
-               **model_fields,
-               "rows_per_chip": rows_per_chip,
-               **({"rollouts_per_prompt": group}
-                  if name == "rollout_decode" else {}),
-               "global_batch": rows_per_chip * shards,
+               **model_fields, "rows_per_chip": rows_per_chip, **decoding,
+               **({"micro_batches": step.learner.config.micro_batches}
+                  if name == "train" else {}),
+               "global_batch": global_batch,
                **({} if name == "cmi_kernel" else
                   {"length": length, "completion": completion}),
-               **measured,
+               **measured, **({"stand_ins": notes} if name != "cmi_kernel"
+                              else {}),
                "compile_s": round(time.perf_counter() - start, 1)}
         if "total_gib" in row:
           points.append((rows_per_chip, row["total_gib"]))

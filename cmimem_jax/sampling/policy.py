@@ -37,6 +37,22 @@ def load_tokenizer(path: str) -> Any:
   return load_hf_tokenizer(path)
 
 
+def policy_runtime(section: Any) -> dict[str, Any]:
+  """The `policy` section's runtime settings of any architecture (dtype
+  policy, rematerialisation, attention backend)."""
+  return dict(dtype=section.dtype, param_dtype=section.param_dtype,
+              remat=section.remat, attention_impl=section.attention_impl)
+
+
+def random_policy_config(section: Any, vocab_size: int,
+                         **overrides: Any) -> Qwen3Config:
+  """The architecture of source "random": the `preset`, vocabulary sized
+  to the tokenizer (`overrides` last, e.g. a layer count)."""
+  return preset(section.preset, vocab_size=vocab_size,
+                max_position_embeddings=section.max_position_embeddings,
+                **{**policy_runtime(section), **overrides})
+
+
 def load_policy(section: Any, vocab_size: int) -> Qwen3:
   """The policy from the `policy` config section.
 
@@ -44,13 +60,10 @@ def load_policy(section: Any, vocab_size: int) -> Qwen3:
   sized to the tokenizer); "gguf": a llama.cpp file ("" = the embedded
   SmolLM2); "hf": a HF checkpoint directory.
   """
-  runtime = dict(dtype=section.dtype, param_dtype=section.param_dtype,
-                 remat=section.remat, attention_impl=section.attention_impl)
+  runtime = policy_runtime(section)
   if section.source == "random":
-    config = preset(section.preset, vocab_size=vocab_size,
-                    max_position_embeddings=section.max_position_embeddings,
-                    **runtime)
-    return Qwen3(config, rngs=nnx.Rngs(section.seed))
+    return Qwen3(random_policy_config(section, vocab_size),
+                 rngs=nnx.Rngs(section.seed))
   if section.source == "gguf":
     return load_gguf(section.path or smollm2_gguf_path(), **runtime)
   if section.source == "hf":

@@ -309,6 +309,17 @@ def _ends_with_stop(tokens: jax.Array, step: jax.Array,
   return jnp.any(jnp.all(match, axis=-1), axis=-1)
 
 
+def wave_rows(rows: int, group: int, shards: int, max_rows_per_wave: int
+              ) -> int:
+  """Rows a decoding wave of `rows` rows in groups of `group` takes:
+  whole groups x `shards` (the batch shards decoding), at most
+  `max_rows_per_wave` but at least one such unit; 0: all rows at once."""
+  unit = group * shards
+  if not max_rows_per_wave:
+    return rows
+  return max(unit, max_rows_per_wave // unit * unit)
+
+
 class Sampler:
   """Batched generation with a Flax `Qwen3` policy.
 
@@ -562,13 +573,9 @@ class Sampler:
     return self._sample(prompts, key, config.temperature, config.top_p, config)
 
   def wave_rows(self, rows: int, group: int) -> int:
-    """Rows one decoding wave of `rows` rows in groups of `group` takes:
-    whole groups x batch shards, at most `max_rows_per_wave` (at least one
-    such unit; 0: all rows)."""
-    unit = group * self.row_shards
-    if not self.max_rows_per_wave:
-      return rows
-    return max(unit, self.max_rows_per_wave // unit * unit)
+    """Rows one decoding wave of `rows` rows in groups of `group` takes
+    (`wave_rows` with this sampler's shards and wave limit)."""
+    return wave_rows(rows, group, self.row_shards, self.max_rows_per_wave)
 
   def _sample(self, prompts: Sequence[Sequence[int]], key: jax.Array,
               temperature: float | Sequence[float],
