@@ -6,7 +6,7 @@ train step (`Learner`), one whole GRPO step with the reward passed in
 
 from cmimem_jax.rl.advantages import group_advantages
 from cmimem_jax.rl.batch import (rollout_batch, shared_prompt_group,
-                                 supervised_batch, trim_common_padding)
+                                 supervised_batch)
 from cmimem_jax.rl.checkpoint import (Checkpointer, Restored,
                                       load_model_weights)
 from cmimem_jax.rl.logprobs import (mean_continuation_logprobs,
@@ -30,5 +30,4 @@ __all__ = [
     "load_model_weights", "make_optimizer", "mean_continuation_logprobs",
     "read_metrics", "read_rollouts", "recompute_logprobs", "rollout_batch",
     "shared_prompt_group", "sft_loss", "supervised_batch", "token_logprobs",
-    "trim_common_padding",
 ]
