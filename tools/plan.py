@@ -1,5 +1,5 @@
-"""Ahead-of-time memory/FLOP plan of the real train step and rollout
-programs on a TPU topology (or fake CPU devices).
+"""Ahead-of-time memory/FLOP plan of the trainer's own programs on a TPU
+topology (or fake CPU devices).
 
   pip install -e ".[tpu]"       # libtpu: compiles for TPUs on any machine
   python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8
@@ -9,22 +9,37 @@ programs on a TPU topology (or fake CPU devices).
   python tools/plan.py --config=configs/qwen3_4b_h20_vllm.py \
       --topology=v5p-16 --chip=h20 --run
 
-Builds every program from abstract shapes only (no weights are read or
-allocated), compiles it with XLA for the topology's devices
+Builds the GRPO step a `Trainer` of the config runs (`task.loop.grpo_step`:
+its `Learner` with the loss config the trainer derives, its `Sampler` as
+`rollout.decode_devices` places it) over abstract weights (no weights are
+read or allocated), lowers the step's own programs (`rl.GRPOStep
+.lower_rollout` / `.lower_update`: nothing here builds a program of its
+own), compiles them with XLA for the topology's devices
 (`jax.experimental.topologies`, as MaxText's `train_compile.py` does) and
 prints one JSON line per program:
 
-* `train`: the GRPO step (`rl.trainer.jit_train_step`) at
-  `max_prompt_tokens + max_new_tokens` tokens per row (default), `--batch`
-  rows per chip;
-* `rollout_prefill`: `--batch` prompts (sessions) per chip through the
-  model into their shared prompt KV cache, last-position logits;
-* `rollout_decode`: one decoding step of the `rollout.num_rollouts` rows
-  of each prompt, over the shared prompt cache and the rows' own caches
-  sized for `max_new_tokens` (`sampling.Sampler`'s layout);
+* `train`: the learner's update of a whole step (`rl.micro_batches`
+  micro-batches scanned) at `max_prompt_tokens + max_new_tokens` tokens
+  per row (default), `--batch` rows per chip in each micro-batch;
+* `rollout`: the Sampler's generation program of one decoding wave:
+  `--batch` prompts (sessions) per decoding chip prefilled into their
+  shared prompt KV cache, then the `while_loop` decoding their
+  `rollout.num_rollouts` rows each for `max_new_tokens` tokens
+  (`decode_devices` "mesh": every chip holds its share of the rows and
+  caches; "one": one device decodes the whole wave). Its `resident_gib` is
+  the learner's state that stays allocated beside it (optimizer moments,
+  the reference weights), and `fits` counts it;
 * `cmi_kernel` (not among the defaults): `residual_cmi` for `--batch`
   rows per chip of `--cmi_shape` N,d memories (the batch sharded over every
   chip), float32.
+
+The programs are the trainer's, not copies: tests/test_plan.py lowers
+them both ways (here, and from a `Trainer`'s own step over real weights)
+and checks the StableHLO is the same. Where the config's tokenizer is not
+on this machine (the 4B configs name their checkpoint at run time), a
+stand-in gives the architecture's EOS id (`stand_ins` in each line); a
+vLLM config's rollouts are priced with the JAX sampler's program decoding
+on the mesh.
 
 Each line has XLA's per-chip memory (arguments, temporaries, outputs,
 aliased, total) and `fits` against the chip's HBM, XLA's FLOPs and bytes
@@ -45,11 +60,14 @@ the tokenizer, compiled code, the data; measured, BENCHMARKS.md "Train
 step memory").
 
 `--run` costs the config's whole GRPO run before it starts. It compiles
-the three programs at the run's rows per chip (`run_layout`: a
-micro-batch's rows; a decoding wave's sessions) and adds, with `run_cost`
-(pure arithmetic, tested on its own), per step: the rollout (each wave's
-prefill, then `max_new_tokens` decoding steps that read the weights and
-the whole KV cache: HBM-bound), the rewards (one CMI kernel call; the
+the two programs at the run's rows per chip (`run_layout`: a
+micro-batch's rows; a decoding wave's sessions per decoding chip) and
+adds, with `run_cost` (pure arithmetic, tested on its own), per step: the
+rollout (each wave's prefill, then `max_new_tokens` decoding steps that
+read the weights and the whole KV cache: HBM-bound; the generation
+program runs them in one `while_loop`, whose body XLA's cost analysis
+counts once, so a decoding step's cost is the model's count of one step,
+`program_cost`), the rewards (one CMI kernel call; the
 answer-model and judge calls of every rollout, one after another as
 `score_rollouts` makes them, at `--call_latency_s`), vLLM's old log-probs
 recomputed (one forward per micro-batch) and the `rl.micro_batches` train
@@ -143,11 +161,12 @@ def _args(argv):
                       help=f"one of {sorted(TOPOLOGIES)} or cpu:N")
   parser.add_argument("--mesh", default="",
                       help="mesh axes (default: fsdp over every device)")
-  parser.add_argument("--programs", default="train,rollout_prefill,"
-                      "rollout_decode")
+  parser.add_argument("--programs", default="train,rollout",
+                      help=f"comma separated, of {PROGRAMS}")
   parser.add_argument("--batch", default="1",
-                      help="per chip, comma separated: training rows; "
-                      "rollout prompts (each with rollout.num_rollouts rows)")
+                      help="per chip, comma separated: training rows of a "
+                      "micro-batch; rollout prompts of a wave (each with "
+                      "rollout.num_rollouts rows)")
   parser.add_argument("--length", default="",
                       help="prompt + completion tokens, comma separated "
                       "(default: the config's max_prompt_tokens + "
@@ -285,6 +304,8 @@ def program_cost(c, name: str, per_chip: int, length: int, completion: int,
     return total, {"rollout_prefill": prefill, "rollout_decode": decode}
   if name == "cmi_kernel":
     cost = step_cost(c, name, per_chip, *cmi_shape, passes, group)
+  elif name == "encoder":  # `c`: the encoder's; one forward, no LM head.
+    cost = step_cost(c, "train", per_chip, length, 0, 1, 1)
   else:
     cost = step_cost(c, name, per_chip, length, completion, passes, group)
   return cost, {name: cost}
@@ -660,15 +681,18 @@ def trainer_step(config, mesh, preset_name: str = "", checkpoint: str = "",
 
 
 def lower_program(step, name: str, per_chip: int, length: int,
-                  completion: int, cmi_shape: tuple[int, int] = (20, 1024)):
+                  completion: int, cmi_shape: tuple[int, int] = (20, 1024),
+                  encoder=None):
   """`name`'s program lowered at `per_chip` rows on each chip that runs
   it: "train" the step's update (`per_chip` rows of each of the
   `rl.micro_batches` micro-batches on each batch shard, rows of `length`
   tokens, the last `completion` the rollout's), "rollout" the engine's
   generation program of one wave (`per_chip` prompts on each decoding
   chip, `group` rollouts each, prompt bucket `length - completion`),
-  "cmi_kernel" `residual_cmi` on `per_chip` rows per chip of `cmi_shape`
-  (N, d) memories."""
+  "encoder" the in-process encoder's largest program (`plan_encoder` of
+  the config's `encoder` section: one batch of its own size on one
+  device), "cmi_kernel" `residual_cmi` on `per_chip` rows per chip of
+  `cmi_shape` (N, d) memories."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
@@ -680,6 +704,8 @@ def lower_program(step, name: str, per_chip: int, length: int,
   if name == "rollout":
     return step.lower_rollout(per_chip * step.engine.row_shards,
                               length - completion)
+  if name == "encoder":
+    return encoder.lower()
   if name == "cmi_kernel":
     from cmimem_jax.cmi.kernel import residual_cmi_unchecked
     mesh = step.learner.mesh
@@ -695,19 +721,54 @@ def lower_program(step, name: str, per_chip: int, length: int,
 
 
 # What `--programs` may name (`lower_program`).
-PROGRAMS = ("train", "rollout", "cmi_kernel")
+PROGRAMS = ("train", "rollout", "encoder", "cmi_kernel")
+# The architecture of Qwen3-Embedding-0.6B (`encoder.kind =
+# "qwen3_embedding"`, the 4B configs' in-process encoder).
+QWEN3_EMBEDDING_PRESET = "qwen3_0p6b"
+
+
+def plan_encoder(encoder, mesh, layers: int = 0):
+  """The trainer's in-process encoder (`encoders.make_encoder` of the
+  config's `encoder` section: Qwen3-Embedding, loaded as `load_hf` loads
+  it, on the default device) over abstract weights on `mesh`'s first
+  device; SystemExit for an encoder that runs no program of ours."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from cmimem_jax.encoders import query_instruction
+  from cmimem_jax.encoders.neural import Qwen3EmbeddingEncoder
+  from cmimem_jax.models.qwen3 import preset
+  from cmimem_jax.models.qwen3.params import abstract_model
+  from flax import nnx
+  if encoder.kind != "qwen3_embedding":
+    raise SystemExit(f"--programs=encoder: encoder.kind={encoder.kind!r} "
+                     "runs no compiled program here (qwen3_embedding does)")
+  model = abstract_model(preset(QWEN3_EMBEDDING_PRESET, **(
+      {"num_hidden_layers": layers} if layers else {})), lm_head=False)
+  one = NamedSharding(jax.sharding.Mesh(mesh.devices.flat[:1].reshape(
+      (1,) * mesh.devices.ndim), mesh.axis_names), P())
+  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=one), nnx.state(model))
+  return Qwen3EmbeddingEncoder("", query_instruction(encoder),
+                               model=nnx.merge(nnx.graphdef(model), state))
 
 
 def resident_bytes(step, name: str) -> int:
   """Per-chip bytes of the learner's state that stays resident while
   `name` runs but is not among its arguments: during a rollout the
   optimizer state and the reference weights (the policy's weights are the
-  program's own arguments)."""
+  program's own arguments); beside the encoder (rewards are scored between
+  the rollout, whose KV buffers are freed first, and the update) all of
+  it."""
   import jax
-  if name != "rollout":
-    return 0
   learner = step.learner
-  leaves = jax.tree.leaves((learner.opt_state, learner.ref_params))
+  if name == "rollout":
+    leaves = jax.tree.leaves((learner.opt_state, learner.ref_params))
+  elif name == "encoder":  # Beside the learner's whole state, on one chip.
+    leaves = jax.tree.leaves((learner.params, learner.opt_state,
+                              learner.ref_params))
+  else:
+    return 0
   return sum(int(np.prod(x.sharding.shard_shape(x.shape)))
              * np.dtype(x.dtype).itemsize for x in leaves
              if hasattr(x, "sharding"))
@@ -752,8 +813,9 @@ def main(argv=None) -> list[dict]:
       os.path.join(args.checkpoint, "config.json")):
     raise SystemExit(f"--checkpoint={args.checkpoint}: no config.json there "
                      "(an HF checkpoint directory)")
-  names = (list(RUN_PROGRAMS) if args.run else
-           [p for p in args.programs.split(",") if p])
+  names = ([*RUN_PROGRAMS, *(["encoder"] if config.encoder.kind
+                              == "qwen3_embedding" else [])] if args.run
+           else [p for p in args.programs.split(",") if p])
   unknown = set(names) - set(PROGRAMS)
   if unknown:
     raise SystemExit(f"unknown programs {sorted(unknown)}; known: "
@@ -777,17 +839,24 @@ def main(argv=None) -> list[dict]:
     # Forward + backward (x2), the remat re-forward, the reference forward.
     passes = (3 + (model_config.remat != "none")
               + step.learner.config.loss.uses_reference)
+    encoder = (plan_encoder(config.encoder, mesh, args.layers)
+               if "encoder" in names else None)
     if args.run:
       layout = run_layout(config, len(devices), step.engine.row_shards)
-      batches = {name: [layout[name]] for name in names}
+      batches = {name: [layout.get(name, 1)] for name in names}
     else:
       batches = {name: [int(b) for b in args.batch.split(",")]
                  for name in names}
+    if encoder is not None:  # Its own batch and length: its largest call.
+      batches["encoder"] = [encoder.batch_size]
     for name in names:
       points = []
+      # The encoder's own architecture and rows; the others the policy's.
+      costed, tokens = ((encoder.model.config, encoder.max_length)
+                        if name == "encoder" else (model_config, length))
       for rows_per_chip in batches[name]:
         start = time.perf_counter()
-        cost, parts = program_cost(model_config, name, rows_per_chip, length,
+        cost, parts = program_cost(costed, name, rows_per_chip, tokens,
                                    completion, passes, group, cmi_shape)
         if chip is not None:
           seconds.update({part: roofline(c, chip)[0]
@@ -795,11 +864,10 @@ def main(argv=None) -> list[dict]:
         # The mesh in context: the splash kernel shards itself over it.
         with jax.set_mesh(mesh):
           lowered = lower_program(step, name, rows_per_chip, length,
-                                  completion, cmi_shape)
-          # Decoding attends over the cache on the XLA path.
-          impl = resolve_impl(model_config.attention_impl,
+                                  completion, cmi_shape, encoder)
+          impl = resolve_impl(costed.attention_impl,
                               length - completion if name == "rollout"
-                              else length, model_config.compute_dtype)
+                              else tokens, costed.compute_dtype)
           try:
             measured = measure(lowered.compile(
                 step_compiler_options(mesh) if name == "train" else None),
@@ -811,7 +879,7 @@ def main(argv=None) -> list[dict]:
             measured = {"fits": False, "error": str(e).splitlines()[0][:300]}
         model_fields = ({"cmi_shape": list(cmi_shape)}
                         if name == "cmi_kernel" else
-                        {"layers": model_config.num_hidden_layers,
+                        {"layers": costed.num_hidden_layers,
                          "attention_impl": impl})
         decoding = ({"rollouts_per_prompt": group,
                      "decode_devices": step.engine.decode_devices,
@@ -823,7 +891,8 @@ def main(argv=None) -> list[dict]:
         global_batch = rows_per_chip * (
             step.engine.row_shards if name == "rollout" else
             step.learner.shards * step.learner.config.micro_batches
-            if name == "train" else len(devices))
+            if name == "train" else 1 if name == "encoder"
+            else len(devices))
         row = {"program": name, "topology": args.topology,
                "device_kind": devices[0].device_kind,
                "devices": len(devices), "mesh": dict(mesh.shape),
@@ -831,10 +900,11 @@ def main(argv=None) -> list[dict]:
                **({"micro_batches": step.learner.config.micro_batches}
                   if name == "train" else {}),
                "global_batch": global_batch,
-               **({} if name == "cmi_kernel" else
+               **({} if name == "cmi_kernel" else {"length": tokens}
+                  if name == "encoder" else
                   {"length": length, "completion": completion}),
-               **measured, **({"stand_ins": notes} if name != "cmi_kernel"
-                              else {}),
+               **measured, **({"stand_ins": notes} if name in (
+                   "train", "rollout") else {}),
                "compile_s": round(time.perf_counter() - start, 1)}
         if "total_gib" in row:
           points.append((rows_per_chip, row["total_gib"]))

@@ -152,6 +152,9 @@ class GRPOStep:
                    for i in range(len(rows))]
     rollouts = Rollouts(out, completions,
                         [self.policy.decode(c) for c in completions], s.group)
+    # The wave's KV buffers are not needed again this step: scoring (the
+    # encoder, the policy's own edits) gets their memory.
+    self.engine.release()
     start = time.perf_counter()
     scores = reward(rollouts)
     reward_s = time.perf_counter() - start

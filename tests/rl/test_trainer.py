@@ -668,8 +668,9 @@ def test_grpo_step_scores_with_the_reward_it_is_given(learner_logprobs):
   """`rl.GRPOStep`: G rollouts per prompt go to the reward passed in
   (texts and tokens), its rewards / gate / token weights / metrics /
   details reach the update and the result; a NaN reward is an invalid
-  row, counted; the engine is freed (not its programs) before the update
-  and gets the new weights after it. An engine whose log-probs are not
+  row, counted; the engine's KV buffers are freed before scoring, its
+  weight copy (not its programs) before the update, and it gets the new
+  weights after it. An engine whose log-probs are not
   the learner's has them recomputed: the JAX sampler's equal the
   learner's (gap ~0)."""
   from cmimem_jax.rl import GRPOStep, RolloutSettings, Scores
@@ -714,7 +715,7 @@ def test_grpo_step_scores_with_the_reward_it_is_given(learner_logprobs):
   (batch,) = batches
   np.testing.assert_array_equal(batch["advantages"], result.advantages)
   assert set(np.unique(batch["token_weights"])) <= {0.0, 0.5}
-  assert released == [{"programs": False, "weights": True}]
+  assert released == [{}, {"programs": False, "weights": True}]
   assert len(pushed) == 1 and any(
       not np.array_equal(a, b) for a, b in zip(
           jax.tree.leaves(before), jax.tree.leaves(learner.params)))
