@@ -92,6 +92,7 @@ copy bandwidth) and 1.3 for the step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -861,8 +862,10 @@ def main(argv=None) -> list[dict]:
         if chip is not None:
           seconds.update({part: roofline(c, chip)[0]
                           for part, c in parts.items()})
-        # The mesh in context: the splash kernel shards itself over it.
-        with jax.set_mesh(mesh):
+        # The mesh in context: the splash kernel shards itself over it
+        # (the encoder runs outside it, on one device, as in the trainer).
+        with (contextlib.nullcontext() if name == "encoder"
+              else jax.set_mesh(mesh)):
           lowered = lower_program(step, name, rows_per_chip, length,
                                   completion, cmi_shape, encoder)
           impl = resolve_impl(costed.attention_impl,
