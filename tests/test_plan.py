@@ -53,13 +53,13 @@ def test_plan_reports_memory_and_fit_for_a_sharded_mesh():
 def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
   pytest.importorskip("libtpu", reason="the TPU extra is not installed")
   # --run: the trainer's programs at the run's rows per chip (2 training
-  # rows of each of 32 micro-batches; 4 sessions a decoding wave), then
-  # the run's line.
+  # rows of each of 32 micro-batches; 2 sessions per chip a decoding wave;
+  # the encoder's own batch), then the run's line.
   *rows, run = plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py",
                           "--topology=v5p-8", "--layers=1", "--length=128",
                           "--completion=32", "--run"])
   assert [(r["program"], r["rows_per_chip"]) for r in rows] == [
-      ("train", 2), ("rollout", 4)]
+      ("train", 2), ("rollout", 2), ("encoder", 16)]
   for row in rows:
     assert row["device_kind"] == "TPU v5" and row["devices"] == 4
     assert row["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
@@ -67,14 +67,14 @@ def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
     assert row["total_gib"] > 0 and row["xla_bytes_accessed_gib"] > 0
     assert row["hbm_gib"] == 95 and row["fits"] is True
     assert row["bound"] in ("compute", "memory") and row["roofline_s"] > 0
-  train, rollout = rows
+  train, rollout, encoder = rows
   # The whole step's update: 32 micro-batches x 2 rows x 4 chips.
   assert train["micro_batches"] == 32 and train["global_batch"] == 256
   # The Sampler's program decodes on every chip (configs/qwen3_4b_tpu.py:
-  # rollout.decode_devices="mesh"), 4 sessions x 8 rollouts per chip, and
+  # rollout.decode_devices="mesh"), 2 sessions x 8 rollouts per chip, and
   # the learner's optimizer state and reference stay resident beside it.
   assert rollout["decode_devices"] == "mesh"
-  assert rollout["decoding_chips"] == 4 and rollout["global_batch"] == 16
+  assert rollout["decoding_chips"] == 4 and rollout["global_batch"] == 8
   assert rollout["rollouts_per_prompt"] == 8
   assert rollout["with_resident_gib"] == pytest.approx(
       rollout["total_gib"] + rollout["resident_gib"], abs=2e-3)
@@ -87,7 +87,13 @@ def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
       5 * 50 * 48 / 32) == 375
   assert run["hours"] > 0 and run["chips"] == 4
   assert run["chip_hours"] == pytest.approx(run["hours"] * 4, abs=2e-3)
-  assert run["fits"] == {"train": True, "rollout": True}
+  assert run["fits"] == {"train": True, "rollout": True, "encoder": True}
+  # The in-process Qwen3-Embedding (configs/qwen3_4b_tpu.py's encoder):
+  # its largest call, 16 texts x 8,192 tokens on one chip, beside the
+  # learner's whole state (more resident than beside a rollout, whose
+  # weights are its own arguments).
+  assert encoder["global_batch"] == 16 and encoder["length"] == 8192
+  assert encoder["resident_gib"] > rollout["resident_gib"] > 0
   per_step = run["per_step"]
 
   def roofline(row):  # v5p: 459 TFLOP/s, 2765 GB/s.
@@ -95,12 +101,12 @@ def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
                row["model_bytes_gib"] * plan.GIB / 2765e9)
 
   # The programs' roofline seconds, times their calls in a step: 32
-  # micro-batches; 2 waves of a prefill and 32 decoded tokens.
+  # micro-batches; 4 waves of a prefill and 32 decoded tokens.
   assert per_step["train_s"] == pytest.approx(32 * roofline(train), rel=1e-2)
   assert per_step["rollout_prefill_s"] == pytest.approx(
-      2 * rollout["rollout_prefill_roofline_s"], rel=1e-2)
+      4 * rollout["rollout_prefill_roofline_s"], rel=1e-2)
   assert per_step["rollout_decode_s"] == pytest.approx(
-      2 * 32 * rollout["rollout_decode_roofline_s"], rel=1e-2)
+      4 * 32 * rollout["rollout_decode_roofline_s"], rel=1e-2)
   # The whole program: its prefill and its 32 steps.
   assert rollout["roofline_s"] == pytest.approx(
       rollout["rollout_prefill_roofline_s"]
@@ -205,17 +211,17 @@ def _config(name: str, **rl):
 
 def test_run_layout_sessions_and_endpoint_rounds_of_the_paper_configs():
   tpu, h20 = _config("qwen3_4b_tpu.py"), _config("qwen3_4b_h20_vllm.py")
-  # 32 sessions x 8 rollouts, 32 micro-batches; the TPU decodes 128 rows
-  # (16 sessions) a wave on its 4 chips, vLLM every row at once.
-  assert plan.run_layout(tpu, 4, 4) == {"train": 2, "rollout": 4,
-                                        "waves": 2}
+  # 32 sessions x 8 rollouts, 32 micro-batches; the TPU decodes 64 rows
+  # (8 sessions) a wave on its 4 chips, vLLM every row at once.
+  assert plan.run_layout(tpu, 4, 4) == {"train": 2, "rollout": 2,
+                                        "waves": 4}
   assert plan.run_layout(h20, 8, 8) == {"train": 1, "rollout": 4, "waves": 1}
   # Shares that do not divide round up; decoding on one device, it holds
-  # the whole wave; a wave of 128 rows over 32 chips is 256 rows (a
-  # group on each chip).
+  # the whole wave; a wave of 64 rows over 32 chips is 256 rows (a group
+  # on each chip).
   assert plan.run_layout(tpu, 3, 1)["train"] == 3
-  assert plan.run_layout(tpu, 4, 1) == {"train": 2, "rollout": 16,
-                                        "waves": 2}
+  assert plan.run_layout(tpu, 4, 1) == {"train": 2, "rollout": 8,
+                                        "waves": 4}
   assert plan.run_layout(tpu, 32, 32) == {"train": 1, "rollout": 1,
                                           "waves": 1}
   # The RL split's 50 dialogues x 48 sessions (Table 5: ~2,400), less the
