@@ -661,9 +661,9 @@ def trainer_step(config, mesh, preset_name: str = "", checkpoint: str = "",
     config.rollout.max_new_tokens = completion
   notes = {}
   if config.rollout.engine != "jax":
-    config.rollout.engine, config.rollout.decode_devices = "jax", "mesh"
     notes["engine"] = (f"rollout.engine={config.rollout.engine}: the JAX "
                        "sampler's program decoding on the mesh stands in")
+    config.rollout.engine, config.rollout.decode_devices = "jax", "mesh"
   # A random policy's vocabulary is its tokenizer's (`load_policy`).
   random = policy.source == "random" and not (checkpoint or preset_name)
   if checkpoint:

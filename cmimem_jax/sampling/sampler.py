@@ -339,14 +339,17 @@ class Sampler:
     are whole groups x shards rows. The weights stay as the learner holds
     them (FSDP-sharded, its own arrays: no copy, nothing to release); XLA
     gathers each layer's weights inside the layer loop as a decoding step
-    needs them. Chosen over a replicated decode copy because the copy
-    costs the whole model per chip for the whole rollout (Qwen3-4B: 7.5
-    GiB in bf16, 15 GiB in the float32 the learner keeps), which on a
-    v6e-8 (32 GiB) leaves no room for Table 7's KV cache, while the
-    per-layer gathers cost a layer (0.2 GiB) of temporaries
-    (`tools/plan.py` compiles this program; BENCHMARKS.md "TPU plan of
-    Table 7"). The price is interconnect traffic per decoded token,
-    overlapped by XLA with the layer before.
+    needs them (in the compute dtype: it moves the cast before the
+    all-gather), and the tied LM head once a step. Chosen over a decode
+    copy (the layer weights cast and replicated once per wave) by the AOT
+    compile of Table 7's wave on a v5p-8 (`tools/plan.py`, BENCHMARKS.md
+    "TPU plan of Table 7"): the copy costs 7.0 GiB more per chip (66.2
+    against 59.1 GiB for 4 sessions per chip), room a v6e-8 (32 GiB)
+    barely has. The price is interconnect traffic each decoding step:
+    every chip receives the (chips - 1) / chips of the bf16 weights it
+    does not hold (Qwen3-4B on 4 chips: ~6 GB a step), which the plan's
+    roofline does not count; a decode copy is the lever if decoding on a
+    reservation proves bound by it.
 
   Sampling is sharding-invariant: `jax_threefry_partitionable` (JAX's
   default) draws each row's random bits from its position, not from the
