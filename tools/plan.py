@@ -92,7 +92,6 @@ copy bandwidth) and 1.3 for the step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -728,6 +727,14 @@ PROGRAMS = ("train", "rollout", "encoder", "cmi_kernel")
 QWEN3_EMBEDDING_PRESET = "qwen3_0p6b"
 
 
+def first_device(mesh):
+  """`mesh`'s first device as a mesh of the same axes (each of size 1):
+  where the trainer's encoder runs."""
+  import jax
+  return jax.sharding.Mesh(mesh.devices.flat[:1].reshape(
+      (1,) * mesh.devices.ndim), mesh.axis_names)
+
+
 def plan_encoder(encoder, mesh, layers: int = 0):
   """The trainer's in-process encoder (`encoders.make_encoder` of the
   config's `encoder` section: Qwen3-Embedding, loaded as `load_hf` loads
@@ -746,8 +753,7 @@ def plan_encoder(encoder, mesh, layers: int = 0):
                      "runs no compiled program here (qwen3_embedding does)")
   model = abstract_model(preset(QWEN3_EMBEDDING_PRESET, **(
       {"num_hidden_layers": layers} if layers else {})), lm_head=False)
-  one = NamedSharding(jax.sharding.Mesh(mesh.devices.flat[:1].reshape(
-      (1,) * mesh.devices.ndim), mesh.axis_names), P())
+  one = NamedSharding(first_device(mesh), P())
   state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       x.shape, x.dtype, sharding=one), nnx.state(model))
   return Qwen3EmbeddingEncoder("", query_instruction(encoder),
@@ -862,10 +868,10 @@ def main(argv=None) -> list[dict]:
         if chip is not None:
           seconds.update({part: roofline(c, chip)[0]
                           for part, c in parts.items()})
-        # The mesh in context: the splash kernel shards itself over it
-        # (the encoder runs outside it, on one device, as in the trainer).
-        with (contextlib.nullcontext() if name == "encoder"
-              else jax.set_mesh(mesh)):
+        # The mesh in context: the splash kernel shards itself over it, and
+        # "auto" attention resolves for its platform (the encoder: its one
+        # device, as the trainer runs it).
+        with jax.set_mesh(first_device(mesh) if name == "encoder" else mesh):
           lowered = lower_program(step, name, rows_per_chip, length,
                                   completion, cmi_shape, encoder)
           impl = resolve_impl(costed.attention_impl,
