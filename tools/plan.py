@@ -99,7 +99,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
 
 import numpy as np
 
