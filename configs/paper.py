@@ -135,6 +135,12 @@ def training() -> ml_collections.ConfigDict:
       # JAX engine: decode at most this many rows at once, in whole groups
       # of num_rollouts (0 = the whole batch); bounds the KV cache.
       "max_rows_per_wave": 0,
+      # JAX engine: where rollouts decode. "one": the mesh's first device,
+      # from one copy of the weights (CPU: the devices share one memory).
+      # "mesh": every chip, the rows and both KV caches split over the
+      # batch axes (data x fsdp); max_rows_per_wave must then be whole
+      # groups x batch shards. A TPU / multi-GPU run wants "mesh".
+      "decode_devices": "one",
       # JAX engine: drop the decoding programs before every update and load
       # them back from the persistent compilation cache in the next rollout
       # (CPU: each is unrolled over the layers, ~0.1 GiB of machine code

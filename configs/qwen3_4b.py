@@ -27,7 +27,7 @@ HARDWARE_FIELDS = (
     "mesh", "encoder.kind", "encoder.endpoint",
     "policy.dtype", "policy.param_dtype", "policy.remat",
     "policy.attention_impl", "rollout.engine", "rollout.max_rows_per_wave",
-    "rollout.vllm", "rollout.buckets",
+    "rollout.decode_devices", "rollout.vllm", "rollout.buckets",
     # How the update is laid out, not what it computes (the same loss and
     # gradient: tests/rl/test_trainer.py).
     "rl.micro_batches", "rl.share_prompts")

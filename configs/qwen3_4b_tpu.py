@@ -19,19 +19,24 @@ endpoints changed, its workdir, dataset and expert states in a bucket of
 a GCS emulator. A preempted VM's successor resumes with the same command.)
 
 Table 7 as written (prompts up to 20,000 tokens, responses up to 6,000,
-32 sessions x 8 rollouts per step, 32 micro-batches) fits a v5p-8,
-proven by the compiled plan (`BENCHMARKS.md`):
+32 sessions x 8 rollouts per step, 32 micro-batches) fits a v5p-8 and a
+v6e-8, proven by compiling the trainer's own programs (`tools/plan.py`
+lowers the step `task.loop.grpo_step` builds, over abstract weights;
+`BENCHMARKS.md`, "TPU plan of Table 7"):
 
   pip install -e ".[tpu]"
-  python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8 --batch=1,2
+  python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8 --run
 
-* train step, 26,000 tokens per row: 2 rows per chip (one micro-batch of
-  8 rows over 4 chips) need 51.5 GiB of the 95 GiB HBM (5 rows fit);
-* rollouts: 8 sessions x 8 rollouts per chip decode over one shared
-  20k-token prompt cache per session in 82.4 GiB; decoding in two waves
-  (`max_rows_per_wave` = 128 rows = 4 sessions per chip, 43.8 GiB) leaves
-  room for the optimizer state that stays resident. The same setting fits
-  a v6e-8 (32 GiB: 1 training row and 2 sessions per chip, 26.0 / 21.8 GiB).
+* the update of a whole step (32 micro-batches of 8 rows of 26,000
+  tokens: 2 rows per chip) needs 65.1 GiB of the 95 GiB HBM per chip
+  (v6e-8: 1 row per chip, 30.8 of 32 GiB);
+* rollouts decode on every chip (`rollout.decode_devices="mesh"`), each
+  holding its share of the rows and of both KV caches (a session's 20k
+  prompt cache is shared by its 8 rollouts), in waves of 64 rows
+  (`max_rows_per_wave`): 2 sessions per v5p chip, 43.2 GiB with the
+  optimizer state and reference that stay resident (v6e-8: 1 session per
+  chip, 22.1 GiB). Table 7's 128-row wave fits a v5p-8 (70.4 GiB) but not
+  a v6e-8 (35.7 of 32 GiB), hence 64.
 """
 
 import ml_collections
@@ -45,5 +50,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.encoder.kind = "qwen3_embedding"
   config.policy.update({"dtype": "bfloat16", "param_dtype": "float32",
                         "remat": "full", "attention_impl": "auto"})
-  config.rollout.update({"engine": "jax", "max_rows_per_wave": 128})
+  # Rollouts decode on every chip, each holding its share of the rows and
+  # KV caches, in waves of 64 rows: a whole group of 8 per chip of a v6e-8
+  # (Table 7's 128 do not fit its 32 GiB beside the resident optimizer
+  # state: 35.7 GiB; 64: 22.1), 2 per chip of a v5p-8.
+  config.rollout.update({"engine": "jax", "max_rows_per_wave": 64,
+                         "decode_devices": "mesh"})
   return config

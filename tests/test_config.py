@@ -255,3 +255,24 @@ def test_every_ablation_row_of_tables_3_and_9_has_a_config():
   wanted = {(t, r["variant"]) for t in ("table3", "table9")
             for r in paper_rows(t)} - {("table9", "CMI-Mem (full)")}
   assert wanted == covered
+
+
+def test_mesh_decoding_waves_must_split_evenly_over_the_batch_shards():
+  """`rollout.decode_devices`: "one" or "mesh"; with "mesh" every wave is
+  whole groups on every batch shard (the 8 fake devices here), so no wave
+  of a training step is padded."""
+  config = qwen3_4b_tpu.get_config()
+  config.mesh = "fsdp:8"
+  config.rl.snapshots = "policy"
+  sections = ("rollout", "rl")
+  validate_config(config, required=sections)  # 128 rows = 2 groups x 8.
+  config.rollout.max_rows_per_wave = 96
+  with pytest.raises(ConfigError, match=re.escape(
+      "rollout.max_rows_per_wave=96 must be whole groups of 8 rollouts x 8 "
+      "batch shards")):
+    validate_config(config, required=sections)
+  config.rollout.decode_devices = "one"  # One device: any whole groups.
+  validate_config(config, required=sections)
+  config.rollout.decode_devices = "all"
+  with pytest.raises(ConfigError, match="rollout.decode_devices='all'"):
+    validate_config(config, required=sections)

@@ -24,5 +24,6 @@ def test_small_checks_on_cpu(capsys):
   assert sampler["ours_tokens_per_s"] > 0
   kernel = results["cmi_kernel"]
   assert kernel["max_abs_diff_vs_torch"] < 1e-5 and kernel["ours_ms"] > 0
-  step = results["train_step"]
+  step = results["grpo_step"]
   assert step["step_s"] > 0 and step["rows"] == 2 * step["devices"]
+  assert step["sample_s"] > 0 and step["update_s"] > 0

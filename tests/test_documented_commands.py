@@ -212,13 +212,6 @@ COMMANDS: dict[str, str | NotRun] = {
     "--run":
         "tests/test_plan.py::"
         "test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8",
-    # Rows per chip as a size: the test plans the default; the `--batch`
-    # sweep's fit is tests/test_plan.py's cpu:8 plan (each v5p-8 train
-    # program compiles for 30 s here).
-    "python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8 "
-    "--batch=*":
-        "tests/test_plan.py::"
-        "test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8",
 }
 
 

@@ -150,6 +150,7 @@ NOT_IN_PAPER = {
     "policy.max_position_embeddings": "the checkpoint's (Qwen3-4B: 262,144)",
     "rollout.engine": "hardware", "rollout.buckets": "compiled shapes",
     "rollout.max_rows_per_wave": "memory bound of decoding",
+    "rollout.decode_devices": "hardware (where rollouts decode)",
     "rollout.release_programs_each_step": "host memory of a CPU run",
     "qa.answer.": "an endpoint", "qa.judge_endpoint.": "an endpoint",
     "qa.max_failure_rate": "failed endpoint calls accepted per step",

@@ -5,11 +5,13 @@ abstract shapes, on the fake 8-device CPU mesh and for a TPU topology
 import math
 import os
 import sys
+import types
 
 import jax
 import pytest
 
 from cmimem_jax.models.qwen3 import preset
+from cmimem_jax.rl.step import GRPOStep, RolloutSettings
 from cmimem_jax.task.curriculum import Curriculum, SessionRef
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
@@ -52,14 +54,15 @@ def test_plan_reports_memory_and_fit_for_a_sharded_mesh():
 @pytest.mark.slow
 def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
   pytest.importorskip("libtpu", reason="the TPU extra is not installed")
-  # --run: the programs at the run's rows per chip (8 training rows; 4
-  # sessions a decoding wave), then the run's line per concurrency.
+  # --run: the trainer's programs at the run's rows per chip (8 training
+  # rows of each of 8 micro-batches; 2 sessions per chip a decoding wave;
+  # the encoder's own batch), then the run's line per concurrency.
   *rows, run, run_32 = plan.main([
       f"--config={ROOT}/configs/qwen3_4b_tpu.py", "--topology=v5p-8",
       "--layers=1", "--length=128", "--completion=32", "--run",
       "--concurrency=8,32"])
   assert [(r["program"], r["rows_per_chip"]) for r in rows] == [
-      ("train", 8), ("rollout_prefill", 4), ("rollout_decode", 4)]
+      ("train", 8), ("rollout", 2), ("encoder", 16)]
   for row in rows:
     assert row["device_kind"] == "TPU v5" and row["devices"] == 4
     assert row["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
@@ -67,22 +70,33 @@ def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
     assert row["total_gib"] > 0 and row["xla_bytes_accessed_gib"] > 0
     assert row["hbm_gib"] == 95 and row["fits"] is True
     assert row["bound"] in ("compute", "memory") and row["roofline_s"] > 0
-  train, prefill, decode = rows
-  # With one layer XLA counts every FLOP (no loop to count once): the
-  # model's own count agrees with it.
-  for row in (train, prefill):
-    assert 0.9 < row["model_tflops"] / row["xla_tflops"] < 1.1
-  assert train["attention_impl"] == prefill["attention_impl"] == "splash"
-  # A training step does far more work than one decoded token.
-  assert (train["model_tflops"] > prefill["model_tflops"]
-          > decode["model_tflops"] > 0)
+  train, rollout, encoder = rows
+  # The whole step's update: 8 micro-batches x 8 rows x 4 chips.
+  assert train["micro_batches"] == 8 and train["global_batch"] == 256
+  # The Sampler's program decodes on every chip (configs/qwen3_4b_tpu.py:
+  # rollout.decode_devices="mesh"), 2 sessions x 8 rollouts per chip, and
+  # the learner's optimizer state and reference stay resident beside it.
+  assert rollout["decode_devices"] == "mesh"
+  assert rollout["decoding_chips"] == 4 and rollout["global_batch"] == 8
+  assert rollout["rollouts_per_prompt"] == 8
+  assert rollout["with_resident_gib"] == pytest.approx(
+      rollout["total_gib"] + rollout["resident_gib"], abs=2e-3)
+  # With one layer XLA counts every FLOP of one micro-batch (the scan
+  # over micro-batches it counts once): the model's own count agrees.
+  assert 0.9 < train["model_tflops"] / train["xla_tflops"] < 1.1
+  assert train["attention_impl"] == rollout["attention_impl"] == "splash"
   # 5 passes over the RL split's 50 dialogues x 48 sessions, 32 a step.
   assert run["program"] == "run" and run["steps"] == math.ceil(
       5 * 50 * 48 / 32) == 375
   assert run["hours"] > 0 and run["chips"] == 4
   assert run["chip_hours"] == pytest.approx(run["hours"] * 4, abs=2e-3)
-  assert run["fits"] == {"train": True, "rollout_prefill": True,
-                         "rollout_decode": True}
+  assert run["fits"] == {"train": True, "rollout": True, "encoder": True}
+  # The in-process Qwen3-Embedding (configs/qwen3_4b_tpu.py's encoder):
+  # its largest call, 16 texts x 8,192 tokens on one chip, beside the
+  # learner's whole state (more resident than beside a rollout, whose
+  # weights are its own arguments).
+  assert encoder["global_batch"] == 16 and encoder["length"] == 8192
+  assert encoder["resident_gib"] > rollout["resident_gib"] > 0
   per_step = run["per_step"]
 
   def roofline(row):  # v5p: 459 TFLOP/s, 2765 GB/s.
@@ -91,20 +105,27 @@ def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
 
   # The programs' roofline seconds, times their calls in a step: 8
   # micro-batches, each session's prompt once for its 8 rollouts
-  # (rl.share_prompts); 2 waves of a prefill and 32 decoded tokens.
+  # (rl.share_prompts: the compiled update is the shared one); 4 waves of
+  # a prefill and 32 decoded tokens.
   shared_tflops, shared_bytes = plan.shared_train_cost(
       preset("qwen3_4b", num_hidden_layers=1, dtype="bfloat16"), 8, 128, 32,
       5, 8)
-  assert run["prompt_group"] == 8
+  assert run["prompt_group"] == train["prompt_group"] == 8
+  assert train["model_tflops"] == pytest.approx(shared_tflops / 1e12,
+                                                abs=2e-3)
+  assert per_step["train_s"] == pytest.approx(8 * roofline(train), rel=1e-2)
   assert per_step["train_s"] == pytest.approx(8 * max(
       shared_tflops / 459e12, shared_bytes / 2765e9), rel=1e-2)
-  assert per_step["train_s"] < 8 * roofline(train)
   assert per_step["rollout_prefill_s"] == pytest.approx(
-      2 * roofline(prefill), rel=1e-2)
+      4 * rollout["rollout_prefill_roofline_s"], rel=1e-2)
   assert per_step["rollout_decode_s"] == pytest.approx(
-      2 * 32 * roofline(decode), rel=1e-2)
+      4 * 32 * rollout["rollout_decode_roofline_s"], rel=1e-2)
+  # The whole program: its prefill and its 32 steps.
+  assert rollout["roofline_s"] == pytest.approx(
+      rollout["rollout_prefill_roofline_s"]
+      + 32 * rollout["rollout_decode_roofline_s"], rel=2e-2)
   # 256 rollouts x 5 questions at 8 calls in flight, the last verdicts a
-  # round later, 3 s a round; the JAX sampler's log-probs.
+  # round later, 3 s a round; the learner's own log-probs.
   assert per_step["reward_endpoint_s"] == (1280 / 8 + 1) * 3.0
   assert run["endpoint"]["answer_concurrency"] == 8
   assert run["endpoint"]["call_latency_s"] == 3.0
@@ -212,14 +233,19 @@ def _config(name: str, **rl):
 def test_run_layout_sessions_and_endpoint_rounds_of_the_paper_configs():
   tpu, h20 = _config("qwen3_4b_tpu.py"), _config("qwen3_4b_h20_vllm.py")
   # 32 sessions x 8 rollouts, 8 micro-batches on the TPU (32 on the
-  # H20s); the TPU decodes 128 rows (16 sessions) a wave, vLLM every row
-  # at once.
-  assert plan.run_layout(tpu, 4) == {"train": 8, "rollout_prefill": 4,
-                                     "rollout_decode": 4, "waves": 2}
-  assert plan.run_layout(h20, 8) == {"train": 1, "rollout_prefill": 4,
-                                     "rollout_decode": 4, "waves": 1}
-  # Shares that do not divide round up.
-  assert plan.run_layout(tpu, 3)["train"] == 11
+  # H20s); the TPU decodes 64 rows (8 sessions) a wave on its 4 chips,
+  # vLLM every row at once.
+  assert plan.run_layout(tpu, 4, 4) == {"train": 8, "rollout": 2,
+                                        "waves": 4}
+  assert plan.run_layout(h20, 8, 8) == {"train": 1, "rollout": 4, "waves": 1}
+  # Shares that do not divide round up; decoding on one device, it holds
+  # the whole wave; a wave of 64 rows over 32 chips is 256 rows (a group
+  # on each chip).
+  assert plan.run_layout(tpu, 3, 1)["train"] == 11
+  assert plan.run_layout(tpu, 4, 1) == {"train": 8, "rollout": 8,
+                                        "waves": 4}
+  assert plan.run_layout(tpu, 32, 32) == {"train": 1, "rollout": 1,
+                                          "waves": 1}
   # The RL split's 50 dialogues x 48 sessions (Table 5: ~2,400), less the
   # held-out ones; --sessions replaces the count.
   assert plan.run_sessions(tpu, 0)[0] == 2400
@@ -235,13 +261,17 @@ def test_run_layout_sessions_and_endpoint_rounds_of_the_paper_configs():
   assert plan.endpoint_rounds(tpu, 256, 5) == 640 + 1
   assert plan.endpoint_rounds(tpu, 256, 5, concurrency=32) == 40 + 1
   assert plan.endpoint_rounds(_config("tiny.py"), 256, 5) == 0
-  # The learner's rows per shared prompt: a session's 8 rollouts split
-  # into micro-batches x chips (rl.shared_prompt_group's rule).
-  assert plan.learner_prompt_group(tpu, 4) == 8
-  tpu.rl.micro_batches = 32
-  assert plan.learner_prompt_group(tpu, 4) == 2
-  tpu.rl.share_prompts = False
-  assert plan.learner_prompt_group(tpu, 4) == 1
+  # The learner's rows per shared prompt (what the plan costs the update
+  # with): a session's 8 rollouts split into micro-batches x chips
+  # (rl.shared_prompt_group's rule).
+  def prompt_group(micro_batches, share=True):
+    learner = types.SimpleNamespace(shards=4, config=types.SimpleNamespace(
+        share_prompts=share, micro_batches=micro_batches))
+    return GRPOStep(learner, None, RolloutSettings(
+        8, 0.8, 0.9, 32)).update_prompt_group(256)
+  assert prompt_group(8) == 8
+  assert prompt_group(32) == 2
+  assert prompt_group(8, share=False) == 1
 
 
 def test_shared_train_cost_counts_each_prompt_once():
@@ -263,3 +293,61 @@ def test_host_chip_measures_this_machine():
   chip = plan.host_chip("float32")
   assert chip.peak_bf16_tflops > 0 and chip.hbm_gbytes_per_s > 0
   assert chip.hbm_gib > 1 and chip.source.startswith("measured on this host")
+
+
+# --- the plan's programs are the trainer's ------------------------------------
+
+
+@pytest.mark.slow
+def test_the_trainer_decodes_on_the_mesh_and_the_plan_lowers_its_programs(
+    tmp_path, monkeypatch):
+  """configs/tiny.py decoding on the mesh of the 8 fake devices
+  (`rollout.decode_devices="mesh"`, data:2 x fsdp:2 x tensor:2): the
+  trainer's sampler splits every KV cache leaf over the 4 batch shards and
+  samples the tokens / log-probs of one-device decoding; the generation
+  program and the update that `plan.trainer_step` lowers from abstract
+  weights are the very programs of the `Trainer`'s own step
+  (`Trainer.grpo`, over its real weights): equal StableHLO text."""
+  import hashlib
+
+  import numpy as np
+  import test_train
+  from cmimem_jax.parallel import BATCH_AXES
+  from cmimem_jax.sampling import Sampler
+  from cmimem_jax.task.loop import Trainer
+  overrides = {"mesh": "data:2,fsdp:2,tensor:2",
+               "rollout.decode_devices": "mesh"}
+  config = test_train.tiny_config(**overrides)
+  # The step's programs, not the start-up's snapshots.
+  monkeypatch.setattr(Trainer, "_snapshots", lambda self, version: {})
+  trainer = Trainer(config, str(tmp_path))
+  engine = trainer.policy.engine
+  assert engine.row_shards == 4
+  rollout = config.rollout
+  rows = [[11 + p] * (5 + p) for p in range(3) for _ in range(4)]
+  key = jax.random.key(1)
+  got = trainer.policy.generate(rows, key, 1.0, 0.9, 8)
+  one = Sampler(trainer.learner.model, engine.config, engine.buckets,
+                mesh=trainer.mesh)
+  want = one.generate(rows, key, 1.0, 0.9, 8)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+  for leaf in jax.tree.leaves(list(engine._caches.values())):
+    assert BATCH_AXES in leaf.sharding.spec
+    assert leaf.addressable_shards[0].data.nbytes * 4 <= leaf.nbytes
+  prompt, new = max(rollout.buckets), rollout.max_new_tokens
+  sessions = config.rl.sessions_per_batch
+  theirs = {"rollout": trainer.grpo.lower_rollout(sessions, prompt),
+            "train": trainer.grpo.lower_update(
+                sessions * rollout.num_rollouts, prompt)}
+  step, _, notes = plan.trainer_step(config, trainer.mesh)
+  assert notes == {"tokenizer": "the config's"}
+  # One wave of 3 sessions (padded to a prompt per batch shard) and 12
+  # training rows (3 per shard, one micro-batch).
+  ours = {name: plan.lower_program(step, name, 1 if name == "rollout" else 3,
+                                   prompt + new, new)
+          for name in ("rollout", "train")}
+  for name in theirs:
+    fingerprint = lambda lowered: hashlib.sha256(  # noqa: E731
+        lowered.as_text().encode()).hexdigest()
+    assert fingerprint(ours[name]) == fingerprint(theirs[name]), name

@@ -21,6 +21,7 @@ from cmimem_jax.evaluation.answering import MemoryContext
 from cmimem_jax.evaluation.judges import context_recall
 from cmimem_jax.memory.dsl import parse
 from cmimem_jax.rl import read_metrics, read_rollouts
+from cmimem_jax.sampling import EngineHooks
 from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
 from cmimem_jax.task.episode import apply_to_copy
 from cmimem_jax.task.loop import Trainer, plan_sessions, training_dialogues
@@ -64,7 +65,7 @@ RESPONSES = [
 ]
 
 
-class ScriptedEngine:
+class ScriptedEngine(EngineHooks):
   """A `GenerationEngine` returning RESPONSES cyclically (for every row)."""
 
   def __init__(self, tokenizer):
@@ -300,6 +301,11 @@ def test_vllm_engine_receives_the_restored_weights(tmp_path, monkeypatch):
   from cmimem_jax.task import loop as loop_module
 
   class StandInVLLM(ScriptedEngine):
+    reports_learner_logprobs = False  # As vLLM's: the learner recomputes.
+
+    def update_metrics(self):
+      return {"vllm_weight_push": self.last_push}
+
     def __init__(self, checkpoint, eos_ids, pad_id, buckets, **kwargs):
       del checkpoint, eos_ids, pad_id, buckets, kwargs
       super().__init__(load_tokenizer(""))

@@ -655,13 +655,19 @@ def _grpo_prompts() -> list[list[dict[str, str]]]:
   return [[{"role": "user", "content": p}] for p in prompts]
 
 
+# Our prompt buckets: the chat-templated prompts fit the first.
+GRPO_BUCKETS = (64, 128, 256)
+
+
 def _ours_grpo(model, tokenizer) -> dict:
-  """Our step: `ChatPolicy` rollouts (shared-prompt decoding), the shared
-  reward, group advantages, one sharded `Learner` step."""
+  """Our step: the `rl.GRPOStep` object `train` runs (`ChatPolicy`
+  rollouts with shared-prompt decoding, the shared reward passed in,
+  group advantages, the engine's housekeeping, one sharded `Learner`
+  update), its rows padded to our prompt bucket as training pads them."""
   from cmimem_jax.parallel import make_mesh
-  from cmimem_jax.rl import (GRPOLossConfig, Learner, OptimizerConfig,
-                             TrainStepConfig, group_advantages, rollout_batch,
-                             trim_common_padding)
+  from cmimem_jax.rl import (GRPOLossConfig, GRPOStep, Learner,
+                             OptimizerConfig, RolloutSettings, Scores,
+                             TrainStepConfig)
   from cmimem_jax.sampling import ChatPolicy
   mesh = make_mesh("data:-1")
   learner = Learner(model, TrainStepConfig(
@@ -672,36 +678,34 @@ def _ours_grpo(model, tokenizer) -> dict:
       share_prompts=not ARGS.whole_rows), mesh)
   # No EOS: every row generates exactly `new_tokens` (as TRL's
   # min_new_tokens forces), so both sides do the same work.
-  policy = ChatPolicy.jax(learner.model, tokenizer, 512, (64, 128, 256),
-                          mesh)
+  policy = ChatPolicy.jax(learner.model, tokenizer, 512, GRPO_BUCKETS, mesh)
   policy.engine.config = dataclasses.replace(policy.engine.config,
                                              eos_ids=())
+  step = GRPOStep(learner, policy, RolloutSettings(
+      group=ARGS.group, temperature=ARGS.temperature, top_p=ARGS.top_p,
+      max_new_tokens=ARGS.new_tokens, logprob_chunk=ARGS.new_tokens))
   prompts = [policy.encode(m) for m in _grpo_prompts()]
-  rows = [p for p in prompts for _ in range(ARGS.group)]
+
+  def reward(rollouts) -> Scores:
+    return Scores(np.array([shared_reward(t) for t in rollouts.texts]))
+
   key = jax.random.key(0)
   times = []
-  for step in range(ARGS.steps + 1):
+  for index in range(ARGS.steps + 1):
     key, sub = jax.random.split(key)
     start = time.perf_counter()
-    out = policy.generate(rows, sub, ARGS.temperature, ARGS.top_p,
-                          ARGS.new_tokens)
-    rollout = time.perf_counter()
-    texts = [policy.decode(t) for t in out.completions()]
-    rewards = np.array([shared_reward(t) for t in texts])
-    advantages = group_advantages(rewards, np.ones(len(rows)), ARGS.group)
-    # Columns of prompt padding every row shares are cut (to a multiple
-    # of 8), as TRL pads only to the batch's longest prompt.
-    batch = trim_common_padding(rollout_batch(out, advantages), 8)
-    scored = time.perf_counter()
-    metrics = learner.step(batch)
-    policy.set_model(learner.model)
-    done = time.perf_counter()
-    if step:  # Step 0 compiles.
-      times.append({"rollout_s": rollout - start, "scoring_s": scored - rollout,
-                    "update_s": done - scored, "step_s": done - start,
+    result = step(prompts, sub, reward)
+    total = time.perf_counter() - start
+    metrics, out = result.metrics, result.rollouts.output
+    if index:  # Step 0 compiles.
+      times.append({"rollout_s": metrics["sample_s"],
+                    "scoring_s": metrics["reward_s"],
+                    "update_s": total - metrics["sample_s"]
+                    - metrics["reward_s"], "step_s": total,
                     "tokens": int(out.lengths.sum()),
-                    "rows": int(len(rows)),
-                    "update_columns": int(batch["tokens"].shape[1]),
+                    "rows": int(len(out.lengths)),
+                    "update_columns": int(out.prompt_tokens.shape[1]
+                                          + out.tokens.shape[1]),
                     "prompt_group": int(metrics["prompt_group"])})
   return _median_step(times)
 
@@ -826,7 +830,8 @@ def _tunix_grpo(directory: str, tokenizer, model) -> dict:
                                            add_generation_prompt=True)
              for m in _grpo_prompts()]
   longest = max(len(tokenizer.encode(p)) for p in prompts)
-  prompt_columns = -(-longest // 8) * 8  # As ours: a multiple of 8.
+  # As ours: padded to our prompt bucket.
+  prompt_columns = next(b for b in GRPO_BUCKETS if b >= longest)
   tokens = jnp.asarray([tokenizer.encode(prompts[0])], jnp.int32)
   length = tokens.shape[1]
   peer_logits, _ = actor(tokens, jnp.arange(length)[None], None,

@@ -11,9 +11,11 @@ Checks, each against a peer on the same device:
   sampler      our KV-cache sampler's greedy tokens/s against
                `transformers.generate` (torch on the same device), same
                random weights;
-  train_step   one sharded GRPO train step of a Qwen3-0.6B-shape model with
-               random weights (bf16 compute, full remat): step time, tokens/s
-               and the device's peak memory;
+  grpo_step    one whole GRPO step of the object `train` runs
+               (`task.loop.grpo_step`: rollouts decoding on the mesh, the
+               learner's update) on a Qwen3-0.6B-shape model with random
+               weights (bf16 compute, full remat): rollout and update
+               times, tokens/s and the device's peak memory;
   cmi_kernel   `residual_cmi` against the same math batched in torch on the
                device (B = 8192, N = 20, d = 1024), agreement and times;
   vllm         the vLLM engine end to end (generate from token ids, a
@@ -166,42 +168,66 @@ def check_sampler(small: bool) -> dict:
           "compile_s": round(compile_s, 1)}
 
 
-def check_train_step(small: bool) -> dict:
+def check_grpo_step(small: bool) -> dict:
+  """One GRPO step of the object `train` runs (`task.loop.grpo_step` of a
+  training config: its learner, its sampler decoding on
+  `rollout.decode_devices`, its loss and optimizer) on random prompts,
+  with a token-diversity reward: rollout and update times, tokens/s and
+  the device's peak memory. Full size: configs/qwen3_4b_tpu.py's settings
+  on a Qwen3-0.6B-shape random policy (bf16 compute, full remat, the
+  rows and KV caches split over the mesh), 4 rollouts of 3,840-token
+  prompts x 256 new tokens per device; small: configs/tiny.py."""
   from flax import nnx
 
-  from cmimem_jax.models.qwen3 import Qwen3, preset
+  from cmimem_jax.models.qwen3 import Qwen3
   from cmimem_jax.parallel import make_mesh
-  from cmimem_jax.rl import (GRPOLossConfig, Learner, OptimizerConfig,
-                             TrainStepConfig)
-  on_cpu = jax.default_backend() == "cpu"
-  name = "tiny" if small else "qwen3_0p6b"
-  dtype = "float32" if on_cpu else "bfloat16"
-  config = preset(name, dtype=dtype, param_dtype="float32", remat="full")
-  model = Qwen3(config, rngs=nnx.Rngs(0))
-  rows, length = (len(jax.devices()) * 2, 64) if small else (
-      len(jax.devices()) * 4, 4096)
+  from cmimem_jax.rl import Scores
+  from cmimem_jax.sampling import load_tokenizer
+  from cmimem_jax.sampling.policy import random_policy_config
+  from cmimem_jax.task.loop import grpo_step
+  from configs import qwen3_4b_tpu, tiny
+  devices = len(jax.devices())
+  config = (tiny if small else qwen3_4b_tpu).get_config()
+  prompt, new, group = (48, 16, 2) if small else (3840, 256, 4)
+  config.mesh = "fsdp:-1"
+  config.rollout.update({"num_rollouts": group, "max_new_tokens": new,
+                         "max_prompt_tokens": prompt, "buckets": (prompt,),
+                         "max_rows_per_wave": 0})
+  config.rl.update({"sessions_per_batch": devices, "micro_batches": 1})
+  if not small:
+    config.policy.update({"source": "random", "preset": "qwen3_0p6b"})
+    if jax.default_backend() == "cpu":
+      config.policy.dtype = "float32"
+  tokenizer = load_tokenizer("")
+  model = Qwen3(random_policy_config(config.policy, len(tokenizer)),
+                rngs=nnx.Rngs(0))
+  step = grpo_step(config, model, tokenizer, make_mesh(config.mesh))
   rng = np.random.default_rng(0)
-  tokens = rng.integers(1, config.vocab_size, (rows, length)).astype(np.int32)
-  loss_mask = np.zeros((rows, length), np.int32)
-  loss_mask[:, length // 2:] = 1
-  batch = {"tokens": tokens, "mask": np.ones_like(tokens),
-           "loss_mask": loss_mask,
-           "old_logprobs": np.full((rows, length), -10.0, np.float32)
-           * loss_mask,
-           "advantages": rng.standard_normal(rows).astype(np.float32),
-           "token_weights": loss_mask.astype(np.float32)}
-  mesh = make_mesh("fsdp:-1")
-  learner = Learner(model, TrainStepConfig(
-      loss=GRPOLossConfig(kl_beta=0.02),
-      optimizer=OptimizerConfig(learning_rate=1e-6)), mesh)
+  prompts = rng.integers(1, len(tokenizer), (devices, prompt)).tolist()
+
+  def reward(rollouts) -> Scores:
+    return Scores(np.array([len(set(c)) / new
+                            for c in rollouts.completions]))
+
   start = time.perf_counter()
-  learner.step(batch)
+  step(prompts, jax.random.key(0), reward)
   compile_s = time.perf_counter() - start
-  step_s = best_time(lambda: learner.step(batch), 2)
+  timed = []
+  for i in range(2):
+    start = time.perf_counter()
+    metrics = step(prompts, jax.random.key(i + 1), reward).metrics
+    timed.append((time.perf_counter() - start, metrics))
+  step_s, metrics = min(timed, key=lambda t: t[0])
+  rows = devices * group
   stats = jax.devices()[0].memory_stats() or {}
-  return {"model": name, "mesh": dict(mesh.shape), "rows": rows,
-          "length": length, "dtype": dtype, "step_s": round(step_s, 3),
-          "train_tokens_per_s": round(rows * length / step_s, 1),
+  return {"model": config.policy.preset, "mesh": dict(step.learner.mesh.shape),
+          "decode_devices": config.rollout.decode_devices, "rows": rows,
+          "length": prompt + new, "dtype": config.policy.dtype,
+          "step_s": round(step_s, 3),
+          "sample_s": round(metrics["sample_s"], 3),
+          "update_s": round(metrics["step_time_s"], 3),
+          "rollout_tokens_per_s": round(rows * new / metrics["sample_s"], 1),
+          "train_tokens_per_s": round(metrics["tokens_per_s"], 1),
           "compile_s": round(compile_s, 1),
           "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
 
@@ -279,7 +305,7 @@ def check_vllm(small: bool) -> dict:
 
 
 CHECKS = {"attention": check_attention, "sampler": check_sampler,
-          "train_step": check_train_step, "cmi_kernel": check_cmi_kernel,
+          "grpo_step": check_grpo_step, "cmi_kernel": check_cmi_kernel,
           "vllm": check_vllm}
 
 

@@ -1,5 +1,5 @@
-"""Ahead-of-time memory/FLOP plan of the real train step and rollout
-programs on a TPU topology (or fake CPU devices).
+"""Ahead-of-time memory/FLOP plan of the trainer's own programs on a TPU
+topology (or fake CPU devices).
 
   pip install -e ".[tpu]"       # libtpu: compiles for TPUs on any machine
   python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8
@@ -11,22 +11,37 @@ programs on a TPU topology (or fake CPU devices).
   python tools/plan.py --config=configs/qwen3_4b_h20_vllm.py \
       --topology=v5p-16 --chip=h20 --run
 
-Builds every program from abstract shapes only (no weights are read or
-allocated), compiles it with XLA for the topology's devices
+Builds the GRPO step a `Trainer` of the config runs (`task.loop.grpo_step`:
+its `Learner` with the loss config the trainer derives, its `Sampler` as
+`rollout.decode_devices` places it) over abstract weights (no weights are
+read or allocated), lowers the step's own programs (`rl.GRPOStep
+.lower_rollout` / `.lower_update`: nothing here builds a program of its
+own), compiles them with XLA for the topology's devices
 (`jax.experimental.topologies`, as MaxText's `train_compile.py` does) and
 prints one JSON line per program:
 
-* `train`: the GRPO step (`rl.trainer.jit_train_step`) at
-  `max_prompt_tokens + max_new_tokens` tokens per row (default), `--batch`
-  rows per chip;
-* `rollout_prefill`: `--batch` prompts (sessions) per chip through the
-  model into their shared prompt KV cache, last-position logits;
-* `rollout_decode`: one decoding step of the `rollout.num_rollouts` rows
-  of each prompt, over the shared prompt cache and the rows' own caches
-  sized for `max_new_tokens` (`sampling.Sampler`'s layout);
+* `train`: the learner's update of a whole step (`rl.micro_batches`
+  micro-batches scanned) at `max_prompt_tokens + max_new_tokens` tokens
+  per row (default), `--batch` rows per chip in each micro-batch;
+* `rollout`: the Sampler's generation program of one decoding wave:
+  `--batch` prompts (sessions) per decoding chip prefilled into their
+  shared prompt KV cache, then the `while_loop` decoding their
+  `rollout.num_rollouts` rows each for `max_new_tokens` tokens
+  (`decode_devices` "mesh": every chip holds its share of the rows and
+  caches; "one": one device decodes the whole wave). Its `resident_gib` is
+  the learner's state that stays allocated beside it (optimizer moments,
+  the reference weights), and `fits` counts it;
 * `cmi_kernel` (not among the defaults): `residual_cmi` for `--batch`
   rows per chip of `--cmi_shape` N,d memories (the batch sharded over every
   chip), float32.
+
+The programs are the trainer's, not copies: tests/test_plan.py lowers
+them both ways (here, and from a `Trainer`'s own step over real weights)
+and checks the StableHLO is the same. Where the config's tokenizer is not
+on this machine (the 4B configs name their checkpoint at run time), a
+stand-in gives the architecture's EOS id (`stand_ins` in each line); a
+vLLM config's rollouts are priced with the JAX sampler's program decoding
+on the mesh.
 
 Each line has XLA's per-chip memory (arguments, temporaries, outputs,
 aliased, total) and `fits` against the chip's HBM, XLA's FLOPs and bytes
@@ -47,29 +62,33 @@ the tokenizer, compiled code, the data; measured, BENCHMARKS.md "Train
 step memory").
 
 `--run` costs the config's whole GRPO run before it starts. It compiles
-the three programs at the run's rows per chip (`run_layout`: a
-micro-batch's rows; a decoding wave's sessions) and adds, with `run_cost`
-(pure arithmetic, tested on its own), per step: the rollout (each wave's
-prefill, then `max_new_tokens` decoding steps that read the weights and
-the whole KV cache: HBM-bound), the rewards (one CMI kernel call; the
-answer-model and judge calls of every rollout all in flight at each
-endpoint's concurrency, a verdict asked as soon as its answer arrives, as
+the two programs at the run's rows per chip (`run_layout`: a
+micro-batch's rows; a decoding wave's sessions per decoding chip) and
+adds, with `run_cost` (pure arithmetic, tested on its own), per step: the
+rollout (each wave's prefill, then `max_new_tokens` decoding steps that
+read the weights and the whole KV cache: HBM-bound; the generation
+program runs them in one `while_loop`, whose body XLA's cost analysis
+counts once, so a decoding step's cost is the model's count of one step,
+`program_cost`), the rewards (one CMI kernel call; the answer-model and
+judge calls of every rollout all in flight at each endpoint's
+concurrency, a verdict asked as soon as its answer arrives, as
 `task.episode.RolloutScorer` sends them: `endpoint_rounds` rounds of
 `--call_latency_s`, after the last decoding wave; the attribution weights
 of every rollout, measured on this host), vLLM's old log-probs recomputed
-(one forward per micro-batch) and the `rl.micro_batches` train calls (with
-`rl.share_prompts`, each prompt's FLOPs once for its rows:
-`shared_train_cost`); times the steps (`rl.epochs` passes over the
-sessions at `rl.sessions_per_batch` a step; the sessions from the split's
-question ids x `LONGMEMEVAL_SESSIONS_PER_DIALOGUE`, or `--sessions`). It
-prints a `run` JSON line per `--concurrency` (`steps`, `per_step`,
-`step_s`, `hours`, `chip_hours`, `fits`, `endpoint`: the concurrency,
-latency and overlap assumed, `assumptions`: each number's derivation)
-and the same as a table on stderr. `--chip` prices the same programs on
-another chip's published figures (`h20`: compiled for the 8 devices of a
-v5p-16, since there is no GPU compiler here) or on this machine's
-measured ones (`host`). `tools/scoring_check.py` checks the scoring
-stage's model against a measured CPU step.
+(one forward per micro-batch, only with `rl.old_logprobs="sampler"`) and
+the `rl.micro_batches` train calls (with `rl.share_prompts`, each
+prompt's FLOPs once for its rows: `shared_train_cost`); times the steps
+(`rl.epochs` passes over the sessions at `rl.sessions_per_batch` a step;
+the sessions from the split's question ids x
+`LONGMEMEVAL_SESSIONS_PER_DIALOGUE`, or `--sessions`). It prints a `run`
+JSON line per `--concurrency` (`steps`, `per_step`, `step_s`, `hours`,
+`chip_hours`, `fits`, `endpoint`: the concurrency, latency and overlap
+assumed, `assumptions`: each number's derivation) and the same as a table
+on stderr. `--chip` prices the same programs on another chip's published
+figures (`h20`: compiled for the 8 devices of a v5p-16, since there is no
+GPU compiler here) or on this machine's measured ones (`host`).
+`tools/scoring_check.py` checks the scoring stage's model against a
+measured CPU step.
 
 Checked on this CPU against `configs/default.py`'s measured GRPO step
 (`--topology=cpu:1 --preset=smollm2_135m --chip=host`; BENCHMARKS.md,
@@ -90,7 +109,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
 
 import numpy as np
 
@@ -152,11 +170,12 @@ def _args(argv):
                       help=f"one of {sorted(TOPOLOGIES)} or cpu:N")
   parser.add_argument("--mesh", default="",
                       help="mesh axes (default: fsdp over every device)")
-  parser.add_argument("--programs", default="train,rollout_prefill,"
-                      "rollout_decode")
+  parser.add_argument("--programs", default="train,rollout",
+                      help=f"comma separated, of {PROGRAMS}")
   parser.add_argument("--batch", default="1",
-                      help="per chip, comma separated: training rows; "
-                      "rollout prompts (each with rollout.num_rollouts rows)")
+                      help="per chip, comma separated: training rows of a "
+                      "micro-batch; rollout prompts of a wave (each with "
+                      "rollout.num_rollouts rows)")
   parser.add_argument("--length", default="",
                       help="prompt + completion tokens, comma separated "
                       "(default: the config's max_prompt_tokens + "
@@ -281,9 +300,44 @@ def step_cost(c, program: str, rows: int, length: int, completion: int,
       completion)) * cache_per_token
 
 
-def measure(compiled, chip, cost: tuple[float, float]) -> dict:
+def program_cost(c, name: str, per_chip: int, length: int, completion: int,
+                 passes: int, group: int, cmi_shape: tuple[int, int],
+                 prompt_group: int = 1
+                 ) -> tuple[tuple[float, float], dict[str, tuple[float,
+                                                              float]]]:
+  """(FLOPs, HBM bytes) per chip of one call of `lower_program`'s `name`,
+  and of the parts `run_cost` times: "train" one micro-batch (each prompt
+  once for its `prompt_group` rows, `shared_train_cost`); "rollout"
+  the generation program's prefill of the wave's prompts
+  ("rollout_prefill") and one decoding step of its rows
+  ("rollout_decode"; the program runs `completion` of them in its
+  `while_loop`, which XLA's cost analysis counts once); "cmi_kernel" the
+  kernel call."""
+  if name == "rollout":
+    prefill = step_cost(c, "rollout_prefill", per_chip, length, completion,
+                        passes, group)
+    decode = step_cost(c, "rollout_decode", per_chip, length, completion,
+                       passes, group)
+    total = (prefill[0] + completion * decode[0],
+             prefill[1] + completion * decode[1])
+    return total, {"rollout_prefill": prefill, "rollout_decode": decode}
+  if name == "cmi_kernel":
+    cost = step_cost(c, name, per_chip, *cmi_shape, passes, group)
+  elif name == "encoder":  # `c`: the encoder's; one forward, no LM head.
+    cost = step_cost(c, "train", per_chip, length, 0, 1, 1)
+  elif name == "train":
+    cost = shared_train_cost(c, per_chip, length, completion, passes,
+                             prompt_group)
+  else:
+    cost = step_cost(c, name, per_chip, length, completion, passes, group)
+  return cost, {name: cost}
+
+
+def measure(compiled, chip, cost: tuple[float, float],
+            resident: int = 0) -> dict:
   """Per-chip memory, XLA's and the model's cost, and the roofline of a
-  compiled program."""
+  compiled program; `resident`: bytes per chip that stay allocated beside
+  it (`resident_bytes`), added to its total for `fits`."""
   memory = compiled.memory_analysis()
   xla = compiled.cost_analysis()
   xla = (xla[0] if isinstance(xla, list) else xla) or {}
@@ -301,11 +355,14 @@ def measure(compiled, chip, cost: tuple[float, float]) -> dict:
           float(xla.get("bytes accessed", 0.0)) / GIB, 3),
       "model_tflops": round(flops / 1e12, 3),
       "model_bytes_gib": round(accessed / GIB, 3)}
+  if resident:
+    row["resident_gib"] = round(resident / GIB, 3)
+    row["with_resident_gib"] = round((total + resident) / GIB, 3)
   if chip is not None:
     seconds, bound = roofline(cost, chip)
     row.update(roofline_s=round(seconds, 4), bound=bound,
                hbm_gib=round(chip.hbm_gib, 3),
-               fits=total <= chip.hbm_gib * GIB)
+               fits=total + resident <= chip.hbm_gib * GIB)
   return row
 
 
@@ -327,7 +384,7 @@ def roofline(cost: tuple[float, float], chip: Chip) -> tuple[float, str]:
 LONGMEMEVAL_SESSIONS_PER_DIALOGUE = 48
 QA_PER_SESSION = 5
 # The programs a run's step is made of, compiled at the run's rows per chip.
-RUN_PROGRAMS = ("train", "rollout_prefill", "rollout_decode")
+RUN_PROGRAMS = ("train", "rollout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,19 +445,23 @@ def run_cost(shape: RunShape, seconds: dict[str, float]) -> dict:
           "chip_hours": round(hours * shape.chips, 3), "chips": shape.chips}
 
 
-def run_layout(config, chips: int) -> dict[str, int]:
+def run_layout(config, chips: int, decoding_chips: int) -> dict[str, int]:
   """Rows per chip of each program in the config's run on `chips` chips:
-  a micro-batch's training rows; a decoding wave's prompts (at most
-  `rollout.max_rows_per_wave` rows, whole groups; 0: the whole step), and
-  the waves of a step. A share that does not divide rounds up (the
-  program pads)."""
+  "train" a micro-batch's training rows (a share that does not divide
+  rounds up); "rollout" a decoding wave's prompts on each of the
+  `decoding_chips` that decode (`Sampler.wave_rows`: whole groups x
+  decoding chips, at most `rollout.max_rows_per_wave` rows; prompts
+  padded to a multiple of the decoding chips); "waves" the waves of a
+  step."""
+  from cmimem_jax.sampling.sampler import wave_rows
   rl, rollout = config.rl, config.rollout
-  rows = rl.sessions_per_batch * rollout.num_rollouts
-  wave = min(rollout.max_rows_per_wave or rows, rows)
-  prompts = max(1, wave // rollout.num_rollouts)
+  group = rollout.num_rollouts
+  rows = rl.sessions_per_batch * group
+  wave = min(wave_rows(rows, group, decoding_chips,
+                       rollout.max_rows_per_wave), rows)
+  prompts = wave // group
   return {"train": -(-rows // (rl.micro_batches * chips)),
-          "rollout_prefill": -(-prompts // chips),
-          "rollout_decode": -(-prompts // chips),
+          "rollout": -(-prompts // decoding_chips),
           "waves": -(-rl.sessions_per_batch // prompts)}
 
 
@@ -539,19 +600,6 @@ def _pass_names(model_config, rl) -> list[str]:
           + (["KL reference forward"] if rl.kl_beta > 0 else []))
 
 
-def learner_prompt_group(config, chips: int) -> int:
-  """Rows per shared prompt in the run's updates (`rl.share_prompts`):
-  what `rl.shared_prompt_group` finds in a step's batch (each session's
-  rollouts share its prompt) split into `rl.micro_batches` x `chips`
-  parts (an FSDP mesh); 1 without sharing."""
-  rl, rollouts = config.rl, config.rollout.num_rollouts
-  if not rl.share_prompts:
-    return 1
-  rows = rl.sessions_per_batch * rollouts
-  return next((g for g in range(rollouts, 1, -1) if rollouts % g == 0
-               and (rows // g) % (rl.micro_batches * chips) == 0), 1)
-
-
 def shared_train_cost(c, rows: int, length: int, completion: int,
                       passes: int, group: int) -> tuple[float, float]:
   """`step_cost`'s "train" when each prompt runs once for its `group`
@@ -575,12 +623,12 @@ def shared_train_cost(c, rows: int, length: int, completion: int,
 
 def _run(args, config, model_config, chip: Chip, layout: dict[str, int],
          seconds: dict[str, float], compiled: list[dict], passes: int,
-         length: int, completion: int) -> list[dict]:
+         length: int, completion: int, group: int) -> list[dict]:
   """The `run` lines of `--run`, one per `--concurrency`: `run_cost` of
   the compiled programs' roofline seconds (the train program's FLOPs
-  with `rl.share_prompts`' sharing), the CMI kernel's and the old
-  log-probs' recompute from the same model count, the measured host
-  work, every assumption beside its number."""
+  with `group` rows per shared prompt, `GRPOStep.update_prompt_group`),
+  the CMI kernel's and the old log-probs' recompute from the same model
+  count, the measured host work, every assumption beside its number."""
   rl, rollout = config.rl, config.rollout
   chips = compiled[0]["devices"]
   sessions, source = run_sessions(config, args.sessions)
@@ -590,13 +638,10 @@ def _run(args, config, model_config, chip: Chip, layout: dict[str, int],
   cmi_rows = -(-rollouts * args.cmi_ops // chips)
   seconds["cmi_kernel"] = roofline(step_cost(
       model_config, "cmi_kernel", cmi_rows, n, d, passes, 1), chip)[0]
-  group = learner_prompt_group(config, chips)
-  seconds["train"] = roofline(shared_train_cost(
-      model_config, layout["train"], length, completion, passes, group),
-      chip)[0]
-  vllm = rollout.engine == "vllm"
-  # vLLM's log-probs are not the learner's: one forward per micro-batch.
-  seconds["recompute"] = seconds["train"] / passes if vllm else 0.0
+  # vLLM's log-probs as the old ones (rl.old_logprobs="sampler") are
+  # recomputed by the learner: one forward per micro-batch.
+  recompute = rollout.engine == "vllm" and rl.old_logprobs == "sampler"
+  seconds["recompute"] = seconds["train"] / passes if recompute else 0.0
   host_s, host_how = (host_seconds(rollouts, completion)
                       if args.host_s_per_rollout < 0 else
                       (rollouts * args.host_s_per_rollout,
@@ -633,11 +678,13 @@ def _run(args, config, model_config, chip: Chip, layout: dict[str, int],
         "steps": f"{steps}; sessions: {source}",
         "rollout_prefill_s": (
             f"{layout['waves']} waves x {seconds['rollout_prefill']:.4g} s: "
-            f"{layout['rollout_prefill']} prompts/chip of {prompt} tokens"),
+            f"the Sampler's generation program's prefill, "
+            f"{layout['rollout']} prompts/chip of {prompt} tokens"),
         "rollout_decode_s": (
             f"{layout['waves']} waves x {completion} tokens (every rollout "
-            f"to the cap) x {seconds['rollout_decode']:.4g} s: "
-            f"{layout['rollout_decode'] * rollout.num_rollouts} rows/chip, "
+            f"to the cap) x {seconds['rollout_decode']:.4g} s: one step of "
+            "the generation program's decode loop, "
+            f"{layout['rollout'] * rollout.num_rollouts} rows/chip, "
             "each step reads the weights and the whole allocated KV cache "
             f"({prompt} shared prompt + {completion} own tokens)"),
         "reward_cmi_s": (
@@ -652,16 +699,17 @@ def _run(args, config, model_config, chip: Chip, layout: dict[str, int],
             "endpoint"),
         "reward_host_s": host_how,
         "recompute_logprobs_s": (
-            f"rollout.engine=vllm: {rl.micro_batches} micro-batches x one "
-            f"forward (the train program / {passes} passes)" if vllm else
-            "0: the JAX sampler's log-probs are the old ones"),
+            f"rollout.engine=vllm, rl.old_logprobs=sampler: "
+            f"{rl.micro_batches} micro-batches x one forward (the train "
+            f"program / {passes} passes)" if recompute else
+            "0: the learner's own log-probs under stop_gradient "
+            "(rl.old_logprobs=learner) or the JAX sampler's"),
         "train_s": (
             f"{rl.micro_batches} micro-batches x {seconds['train']:.4g} s: "
             f"{layout['train']} rows/chip of {length} tokens, {passes} layer "
             f"passes ({', '.join(_pass_names(model_config, rl))})"
             + (f"; rl.share_prompts: each prompt once for its {group} rows "
-               "(model FLOPs of the shared pass; memory and `fits` are the "
-               "compiled whole-row program's)" if group > 1 else
+               "(the compiled program's model FLOPs)" if group > 1 else
                "; whole rows")),
         "step_s": "the stages one after another (Trainer.step); no "
                   "compile, checkpoint, encoder or memory-edit time",
@@ -681,6 +729,183 @@ def _run(args, config, model_config, chip: Chip, layout: dict[str, int],
   return runs
 
 
+class _StandInTokenizer:
+  """What the trainer's programs take of a tokenizer (EOS and pad ids),
+  where the config's own is not on this machine (an HF checkpoint path
+  left for the run, as the 4B configs do)."""
+
+  def __init__(self, eos_token_id: int, pad_token_id: int = 0):
+    self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+
+
+def _tokenizer(policy, checkpoint: str, eos) -> tuple[object, str]:
+  """(the tokenizer the trainer would load, where it came from): the
+  config's (or `--checkpoint`'s) when it is here; else a stand-in with
+  the architecture's EOS id (pad 0), which changes no shape."""
+  from cmimem_jax.sampling import (checkpoint_tokenizer_path, load_tokenizer,
+                                   policy_tokenizer_path)
+  named = checkpoint or policy.tokenizer or policy.path or (
+      policy.source != "hf")
+  if named:
+    try:
+      path = (checkpoint_tokenizer_path(checkpoint) if checkpoint
+              else policy_tokenizer_path(policy))
+      return load_tokenizer(path), "the config's"
+    except (OSError, ValueError):
+      pass
+  eos = eos[0] if isinstance(eos, (tuple, list)) else eos
+  return (_StandInTokenizer(int(eos or 0)),
+          "stand-in: the architecture's EOS id, pad 0")
+
+
+def trainer_step(config, mesh, preset_name: str = "", checkpoint: str = "",
+                 layers: int = 0, completion: int = 0):
+  """The trainer's GRPO step (`task.loop.grpo_step`: its learner, its
+  rollout engine and their configs) over abstract weights on `mesh`:
+  nothing is allocated, its programs are only lowered. The architecture is
+  the policy's as the trainer loads it (a random policy's vocabulary is its
+  tokenizer's), or `preset_name` / `checkpoint`'s config.json, with
+  `layers` layers (0: all); `completion`: `rollout.max_new_tokens` (0:
+  the config's). A vLLM config's rollouts are priced with the JAX
+  sampler's program decoding on the mesh (vLLM's own is not XLA's).
+
+  Returns:
+    (the `rl.GRPOStep`, its `Qwen3Config`, notes on what stood in).
+  """
+  from cmimem_jax.models.qwen3 import Qwen3Config, preset
+  from cmimem_jax.models.qwen3.params import abstract_model
+  from cmimem_jax.sampling.policy import policy_runtime, random_policy_config
+  from cmimem_jax.task.loop import grpo_step
+  config = config.copy_and_resolve_references()
+  policy = config.policy
+  runtime = policy_runtime(policy)
+  if layers:
+    runtime["num_hidden_layers"] = layers
+  if completion:
+    config.rollout.max_new_tokens = completion
+  notes = {}
+  if config.rollout.engine != "jax":
+    notes["engine"] = (f"rollout.engine={config.rollout.engine}: the JAX "
+                       "sampler's program decoding on the mesh stands in")
+    config.rollout.engine, config.rollout.decode_devices = "jax", "mesh"
+  # A random policy's vocabulary is its tokenizer's (`load_policy`).
+  random = policy.source == "random" and not (checkpoint or preset_name)
+  if checkpoint:
+    model_config = Qwen3Config.from_pretrained(checkpoint, **runtime)
+  elif not random:
+    # An HF / GGUF policy: the architecture the config names
+    # (`policy.preset`; configs/paper.py).
+    model_config = preset(preset_name or policy.preset, **runtime)
+  tokenizer, notes["tokenizer"] = _tokenizer(
+      policy, checkpoint, None if random else model_config.eos_token_id)
+  if random:
+    model_config = random_policy_config(policy, len(tokenizer), **(
+        {"num_hidden_layers": layers} if layers else {}))
+  step = grpo_step(config, abstract_model(model_config), tokenizer, mesh)
+  return step, model_config, notes
+
+
+def lower_program(step, name: str, per_chip: int, length: int,
+                  completion: int, cmi_shape: tuple[int, int] = (20, 1024),
+                  encoder=None):
+  """`name`'s program lowered at `per_chip` rows on each chip that runs
+  it: "train" the step's update (`per_chip` rows of each of the
+  `rl.micro_batches` micro-batches on each batch shard, rows of `length`
+  tokens, the last `completion` the rollout's), "rollout" the engine's
+  generation program of one wave (`per_chip` prompts on each decoding
+  chip, `group` rollouts each, prompt bucket `length - completion`),
+  "encoder" the in-process encoder's largest program (`plan_encoder` of
+  the config's `encoder` section: one batch of its own size on one
+  device), "cmi_kernel" `residual_cmi` on `per_chip` rows per chip of
+  `cmi_shape` (N, d) memories."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from cmimem_jax.parallel import BATCH_AXES
+  if name == "train":
+    rows = per_chip * step.learner.shards * step.learner.config.micro_batches
+    return step.lower_update(rows, length - completion)
+  if name == "rollout":
+    return step.lower_rollout(per_chip * step.engine.row_shards,
+                              length - completion)
+  if name == "encoder":
+    return encoder.lower()
+  if name == "cmi_kernel":
+    from cmimem_jax.cmi.kernel import residual_cmi_unchecked
+    mesh = step.learner.mesh
+    batch = per_chip * mesh.devices.size
+    n, d = cmi_shape
+    sharded = lambda *dims: jax.ShapeDtypeStruct(  # noqa: E731
+        dims[1:], dims[0], sharding=NamedSharding(mesh, P(
+            BATCH_AXES, *([None] * (len(dims) - 2)))))
+    return jax.jit(residual_cmi_unchecked).lower(
+        sharded(jnp.float32, batch, d), sharded(jnp.float32, batch, d),
+        sharded(jnp.float32, batch, n, d), sharded(jnp.bool_, batch, n))
+  raise SystemExit(f"unknown program {name!r}; known: {sorted(PROGRAMS)}")
+
+
+# What `--programs` may name (`lower_program`).
+PROGRAMS = ("train", "rollout", "encoder", "cmi_kernel")
+# The architecture of Qwen3-Embedding-0.6B (`encoder.kind =
+# "qwen3_embedding"`, the 4B configs' in-process encoder).
+QWEN3_EMBEDDING_PRESET = "qwen3_0p6b"
+
+
+def first_device(mesh):
+  """`mesh`'s first device as a mesh of the same axes (each of size 1):
+  where the trainer's encoder runs."""
+  import jax
+  return jax.sharding.Mesh(mesh.devices.flat[:1].reshape(
+      (1,) * mesh.devices.ndim), mesh.axis_names)
+
+
+def plan_encoder(encoder, mesh, layers: int = 0):
+  """The trainer's in-process encoder (`encoders.make_encoder` of the
+  config's `encoder` section: Qwen3-Embedding, loaded as `load_hf` loads
+  it, on the default device) over abstract weights on `mesh`'s first
+  device; SystemExit for an encoder that runs no program of ours."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from cmimem_jax.encoders import query_instruction
+  from cmimem_jax.encoders.neural import Qwen3EmbeddingEncoder
+  from cmimem_jax.models.qwen3 import preset
+  from cmimem_jax.models.qwen3.params import abstract_model
+  from flax import nnx
+  if encoder.kind != "qwen3_embedding":
+    raise SystemExit(f"--programs=encoder: encoder.kind={encoder.kind!r} "
+                     "runs no compiled program here (qwen3_embedding does)")
+  model = abstract_model(preset(QWEN3_EMBEDDING_PRESET, **(
+      {"num_hidden_layers": layers} if layers else {})), lm_head=False)
+  one = NamedSharding(first_device(mesh), P())
+  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=one), nnx.state(model))
+  return Qwen3EmbeddingEncoder("", query_instruction(encoder),
+                               model=nnx.merge(nnx.graphdef(model), state))
+
+
+def resident_bytes(step, name: str) -> int:
+  """Per-chip bytes of the learner's state that stays resident while
+  `name` runs but is not among its arguments: during a rollout the
+  optimizer state and the reference weights (the policy's weights are the
+  program's own arguments); beside the encoder (rewards are scored between
+  the rollout, whose KV buffers are freed first, and the update) all of
+  it."""
+  import jax
+  learner = step.learner
+  if name == "rollout":
+    leaves = jax.tree.leaves((learner.opt_state, learner.ref_params))
+  elif name == "encoder":  # Beside the learner's whole state, on one chip.
+    leaves = jax.tree.leaves((learner.params, learner.opt_state,
+                              learner.ref_params))
+  else:
+    return 0
+  return sum(int(np.prod(x.sharding.shard_shape(x.shape)))
+             * np.dtype(x.dtype).itemsize for x in leaves
+             if hasattr(x, "sharding"))
+
+
 def main(argv=None) -> list[dict]:
   args = _args(argv)
   # Compiling touches no TPU: several planners (or a test run beside one)
@@ -693,21 +918,12 @@ def main(argv=None) -> list[dict]:
       os.environ["XLA_FLAGS"] = (
           f"{flags} --xla_force_host_platform_device_count={count}")
   import jax
-  import jax.numpy as jnp
-  from flax import nnx
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax.sharding import Mesh
 
   from cmimem_jax import storage
   from cmimem_jax.models.attention import resolve_impl
-  from cmimem_jax.models.qwen3 import KVCache, Qwen3Config, preset
-  from cmimem_jax.models.qwen3.params import abstract_model
-  from cmimem_jax.parallel import (BATCH_AXES, optimizer_shardings,
-                                   param_shardings)
   from cmimem_jax.parallel.mesh import AXES, parse_mesh_shape
-  from cmimem_jax.rl.losses import GRPOLossConfig
-  from cmimem_jax.rl.trainer import (OptimizerConfig, TrainStepConfig,
-                                     jit_train_step, make_optimizer,
-                                     step_compiler_options)
+  from cmimem_jax.rl.trainer import step_compiler_options
 
   devices, chip = _devices(args.topology)
   shape = parse_mesh_shape(args.mesh or f"fsdp:{len(devices)}")
@@ -716,19 +932,13 @@ def main(argv=None) -> list[dict]:
                      f"devices of {args.topology}")
   mesh = Mesh(np.array(devices).reshape([shape[a] for a in AXES]), AXES)
   config = _load_config(args.config)
-  policy = config.policy
   if args.chip == "host":
-    chip = host_chip(policy.dtype)
+    chip = host_chip(config.policy.dtype)
   elif args.chip:
     if args.chip not in CHIPS:
       raise SystemExit(f"--chip must be one of {sorted(CHIPS)} or host, got "
                        f"{args.chip!r}")
     chip = CHIPS[args.chip]
-  overrides = dict(dtype=policy.dtype, param_dtype=policy.param_dtype,
-                   remat=policy.remat,
-                   attention_impl=policy.get("attention_impl", "auto"))
-  if args.layers:
-    overrides["num_hidden_layers"] = args.layers
   if args.checkpoint and args.preset:
     raise SystemExit("--checkpoint and --preset both name the architecture: "
                      "give one")
@@ -736,165 +946,109 @@ def main(argv=None) -> list[dict]:
       storage.join(args.checkpoint, "config.json")).exists():
     raise SystemExit(f"--checkpoint={args.checkpoint}: no config.json there "
                      "(an HF checkpoint directory)")
-  model_config = (Qwen3Config.from_pretrained(args.checkpoint, **overrides)
-                  if args.checkpoint else
-                  preset(args.preset or policy.preset, **overrides))
-  graphdef, state = nnx.split(abstract_model(model_config), nnx.Param)
-  params = nnx.to_pure_dict(state)
-  p_shardings = param_shardings(params, mesh)
-  shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
-
-  def abstract(tree, shardings):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=s), tree, shardings)
-
-  def spec(dtype, *dims):
-    return jax.ShapeDtypeStruct(dims, dtype, sharding=NamedSharding(
-        mesh, P(BATCH_AXES, *([None] * (len(dims) - 1)))))
-
-  a_params = abstract(params, p_shardings)
-  rl = config.rl
-  step_config = TrainStepConfig(
-      loss=GRPOLossConfig(rl.epsilon_low, rl.epsilon_high, rl.kl_beta),
-      optimizer=OptimizerConfig(learning_rate=rl.learning_rate),
-      micro_batches=1, temperature=config.rollout.temperature,
-      logprob_chunk=rl.logprob_chunk)
-  optimizer = make_optimizer(step_config.optimizer)
-  with_ref = rl.kl_beta > 0
-  # Forward + backward (x2), the remat re-forward, the reference forward.
-  passes = 3 + (model_config.remat != "none") + with_ref
-
-  # Outside the mesh context: these run eagerly, on the host.
-  o_shardings = optimizer_shardings(optimizer, params, p_shardings, mesh)
-  a_opt = abstract(jax.eval_shape(optimizer.init, params), o_shardings)
-
-  def train(batch: int, length: int, completion: int):
-    step = jit_train_step(graphdef, step_config, mesh, optimizer,
-                          p_shardings, o_shardings, with_reference=with_ref)
-    a_batch = {"tokens": spec(jnp.int32, batch, length),
-               "mask": spec(jnp.int32, batch, length),
-               "loss_mask": spec(jnp.int32, batch, length),
-               "old_logprobs": spec(jnp.float32, batch, length),
-               "advantages": spec(jnp.float32, batch),
-               "token_weights": spec(jnp.float32, batch, length)}
-    # Rows sharing no prompt (group 1): splash attention over whole rows.
-    return step.lower(length - completion, 1, a_params, a_opt, a_batch,
-                      a_params if with_ref else None, None)
-
-  cache_spec = NamedSharding(mesh, P(None, None, "tensor", BATCH_AXES, None))
-
-  def abstract_cache(batch: int, length: int):
-    cache = jax.eval_shape(lambda: KVCache.zeros(model_config, batch, length))
-    return KVCache(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-                     for x, s in ((cache.keys, cache_spec),
-                                  (cache.values, cache_spec),
-                                  (cache.valid, NamedSharding(
-                                      mesh, P(BATCH_AXES, None))))))
-
-  group = config.rollout.num_rollouts
-
-  def prefill(prompts: int, length: int, completion: int):
-    def run(params, tokens, positions, mask, cache):
-      model = nnx.merge(graphdef, params)
-      hidden, cache = model.hidden_states(tokens, positions, mask, cache, 0)
-      return model.logits(hidden[:, -1]), cache
-    prompt = length - completion
-    return jax.jit(run, donate_argnums=(4,)).lower(
-        a_params, spec(jnp.int32, prompts, prompt),
-        spec(jnp.int32, prompts, prompt), spec(jnp.int32, prompts, prompt),
-        abstract_cache(prompts, prompt))
-
-  def decode(prompts: int, length: int, completion: int):
-    def run(params, token, position, mask, prompt_cache, cache, index):
-      model = nnx.merge(graphdef, params)
-      logits, cache = model(token, position, mask, cache, index,
-                            prefix=prompt_cache)
-      return logits[:, 0], cache
-    rows = prompts * group
-    return jax.jit(run, donate_argnums=(5,)).lower(
-        a_params, spec(jnp.int32, rows, 1), spec(jnp.int32, rows, 1),
-        spec(jnp.int32, rows, 1),
-        abstract_cache(prompts, length - completion),
-        abstract_cache(rows, completion),
-        jax.ShapeDtypeStruct((), jnp.int32))
-
-  def cmi_kernel(batch: int, n: int, d: int):
-    from cmimem_jax.cmi.kernel import residual_cmi_unchecked
-    vectors = jax.ShapeDtypeStruct((batch, d), jnp.float32, sharding=(
-        NamedSharding(mesh, P(BATCH_AXES, None))))
-    return jax.jit(residual_cmi_unchecked).lower(
-        vectors, vectors, spec(jnp.float32, batch, n, d),
-        spec(jnp.bool_, batch, n))
-
-  programs: dict[str, Callable] = {"train": train, "rollout_prefill": prefill,
-                                   "rollout_decode": decode,
-                                   "cmi_kernel": cmi_kernel}
-  names = (list(RUN_PROGRAMS) if args.run else
-           [p for p in args.programs.split(",") if p])
-  unknown = set(names) - set(programs)
+  names = ([*RUN_PROGRAMS, *(["encoder"] if config.encoder.kind
+                              == "qwen3_embedding" else [])] if args.run
+           else [p for p in args.programs.split(",") if p])
+  unknown = set(names) - set(PROGRAMS)
   if unknown:
     raise SystemExit(f"unknown programs {sorted(unknown)}; known: "
-                     f"{sorted(programs)}")
+                     f"{sorted(PROGRAMS)}")
   rollout = config.rollout
   lengths = ([int(x) for x in args.length.split(",")] if args.length else
              [rollout.max_prompt_tokens + rollout.max_new_tokens])
   budgets = ([float(x) for x in args.budgets.split(",")] if args.budgets
              else [chip.hbm_gib] if chip else [16.0, 32.0, 95.0])
-  if args.run:
-    if chip is None or len(lengths) != 1:
-      raise SystemExit("--run needs a chip's peak figures (a TPU topology "
-                       "or --chip) and one --length")
-    layout = run_layout(config, len(devices))
-    batches = {name: [layout[name]] for name in names}
-  else:
-    per_chip = [int(b) for b in args.batch.split(",")]
-    batches = {name: per_chip for name in names}
+  if args.run and (chip is None or len(lengths) != 1):
+    raise SystemExit("--run needs a chip's peak figures (a TPU topology "
+                     "or --chip) and one --length")
   seconds: dict[str, float] = {}
   rows = []
-  cmi_n, cmi_d = (int(x) for x in args.cmi_shape.split(","))
+  train_prompt_group = 1
+  cmi_shape = tuple(int(x) for x in args.cmi_shape.split(","))
   for length in lengths:
     completion = args.completion or min(rollout.max_new_tokens, length // 4)
+    step, model_config, notes = trainer_step(
+        config, mesh, args.preset, args.checkpoint, args.layers, completion)
+    group = step.settings.group
+    # Forward + backward (x2), the remat re-forward, the reference forward.
+    passes = (3 + (model_config.remat != "none")
+              + step.learner.config.loss.uses_reference)
+    encoder = (plan_encoder(config.encoder, mesh, args.layers)
+               if "encoder" in names else None)
+    if args.run:
+      layout = run_layout(config, len(devices), step.engine.row_shards)
+      batches = {name: [layout.get(name, 1)] for name in names}
+    else:
+      batches = {name: [int(b) for b in args.batch.split(",")]
+                 for name in names}
+    if encoder is not None:  # Its own batch and length: its largest call.
+      batches["encoder"] = [encoder.batch_size]
     for name in names:
-      # The cmi_kernel program's own shape (N, d) in the same two slots.
-      shape = ((cmi_n, cmi_d) if name == "cmi_kernel"
-               else (length, completion))
       points = []
+      # The encoder's own architecture and rows; the others the policy's.
+      costed, tokens = ((encoder.model.config, encoder.max_length)
+                        if name == "encoder" else (model_config, length))
       for rows_per_chip in batches[name]:
         start = time.perf_counter()
-        cost = step_cost(model_config, name, rows_per_chip, *shape, passes,
-                         group)
+        # Rows per shared prompt of the update (`rl.share_prompts`).
+        prompt_group = (step.update_prompt_group(
+            rows_per_chip * step.learner.shards
+            * step.learner.config.micro_batches) if name == "train" else 1)
+        cost, parts = program_cost(costed, name, rows_per_chip, tokens,
+                                   completion, passes, group, cmi_shape,
+                                   prompt_group)
+        if name == "train":
+          train_prompt_group = prompt_group
         if chip is not None:
-          seconds[name] = roofline(cost, chip)[0]
-        # The mesh in context: the splash kernel shards itself over it.
-        with jax.set_mesh(mesh):
-          lowered = programs[name](rows_per_chip * shards, *shape)
-          # Decoding attends over the cache on the XLA path.
-          impl = ("cached_xla" if name == "rollout_decode" else resolve_impl(
-              model_config.attention_impl, length, model_config.compute_dtype))
+          seconds.update({part: roofline(c, chip)[0]
+                          for part, c in parts.items()})
+        # The mesh in context: the splash kernel shards itself over it, and
+        # "auto" attention resolves for its platform (the encoder: its one
+        # device, as the trainer runs it).
+        with jax.set_mesh(first_device(mesh) if name == "encoder" else mesh):
+          lowered = lower_program(step, name, rows_per_chip, length,
+                                  completion, cmi_shape, encoder)
+          impl = resolve_impl(costed.attention_impl,
+                              length - completion if name == "rollout"
+                              else tokens, costed.compute_dtype)
           try:
             measured = measure(lowered.compile(
                 step_compiler_options(mesh) if name == "train" else None),
-                chip, cost)
+                chip, cost, resident_bytes(step, name))
           except jax.errors.JaxRuntimeError as e:
             # The TPU compiler refuses a program over its HBM.
             if "RESOURCE_EXHAUSTED" not in str(e):
               raise
             measured = {"fits": False, "error": str(e).splitlines()[0][:300]}
-        model_fields = ({"cmi_shape": list(shape)}
+        model_fields = ({"cmi_shape": list(cmi_shape)}
                         if name == "cmi_kernel" else
-                        {"layers": model_config.num_hidden_layers,
+                        {"layers": costed.num_hidden_layers,
                          "attention_impl": impl})
+        decoding = ({"rollouts_per_prompt": group,
+                     "decode_devices": step.engine.decode_devices,
+                     "decoding_chips": step.engine.row_shards,
+                     **{f"{part}_roofline_s": round(roofline(c, chip)[0], 6)
+                        for part, c in parts.items()
+                        if chip is not None}}
+                    if name == "rollout" else {})
+        global_batch = rows_per_chip * (
+            step.engine.row_shards if name == "rollout" else
+            step.learner.shards * step.learner.config.micro_batches
+            if name == "train" else 1 if name == "encoder"
+            else len(devices))
         row = {"program": name, "topology": args.topology,
                "device_kind": devices[0].device_kind,
                "devices": len(devices), "mesh": dict(mesh.shape),
-               **model_fields,
-               "rows_per_chip": rows_per_chip,
-               **({"rollouts_per_prompt": group}
-                  if name == "rollout_decode" else {}),
-               "global_batch": rows_per_chip * shards,
-               **({} if name == "cmi_kernel" else
+               **model_fields, "rows_per_chip": rows_per_chip, **decoding,
+               **({"micro_batches": step.learner.config.micro_batches,
+                   "prompt_group": prompt_group}
+                  if name == "train" else {}),
+               "global_batch": global_batch,
+               **({} if name == "cmi_kernel" else {"length": tokens}
+                  if name == "encoder" else
                   {"length": length, "completion": completion}),
-               **measured,
+               **measured, **({"stand_ins": notes} if name in (
+                   "train", "rollout") else {}),
                "compile_s": round(time.perf_counter() - start, 1)}
         if "total_gib" in row:
           points.append((rows_per_chip, row["total_gib"]))
@@ -909,7 +1063,7 @@ def main(argv=None) -> list[dict]:
   if args.run:
     for run in _run(args, config, model_config, chip, layout, seconds,
                     [r for r in rows if "program" in r and "topology" in r],
-                    passes, lengths[0], completion):
+                    passes, lengths[0], completion, train_prompt_group):
       rows.append(run)
       print(json.dumps(run), flush=True)
       print(run_table(run), file=sys.stderr, flush=True)

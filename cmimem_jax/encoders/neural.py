@@ -82,6 +82,16 @@ class TransformerEncoder:
     # Texts embedded as several windows so far (none is ever truncated).
     self.windowed_texts = 0
 
+  def lower(self, rows: int | None = None, length: int | None = None
+            ) -> jax.stages.Lowered:
+    """The forward + pooling program `encode` runs for `rows` texts
+    (default `batch_size`, its largest) padded to `length` tokens (default
+    `max_length`), lowered from abstract inputs (the model may be abstract
+    too): what `tools/plan.py` compiles."""
+    shape = jax.ShapeDtypeStruct((rows or self.batch_size,
+                                  length or self.max_length), jnp.int32)
+    return self._forward.lower(self.model, shape, shape)
+
   def query_text(self, text: str) -> str:
     """What this encoder embeds for the query `text`."""
     return instructed_query(self.query_instruction, text)
@@ -191,13 +201,19 @@ class MiniLMEncoder(TransformerEncoder):
 
 
 class Qwen3EmbeddingEncoder(TransformerEncoder):
-  """Qwen3-Embedding: last real token, L2 norm, instruction for queries."""
+  """Qwen3-Embedding: last real token, L2 norm, instruction for queries.
+  `model`: this decoder instead of the checkpoint's (e.g. an
+  `abstract_model(config, lm_head=False)` for `lower` alone: no tokenizer
+  then)."""
 
   def __init__(self, directory: str,
                instruction: str = DEFAULT_QUERY_INSTRUCTION,
-               batch_size: int = 16, max_length: int = 8192):
-    model = load_hf(directory, lm_head=False)
-    tokenizer = load_hf_tokenizer(directory, padding_side="left")
+               batch_size: int = 16, max_length: int = 8192,
+               model: nnx.Module | None = None):
+    tokenizer = None
+    if model is None:
+      model = load_hf(directory, lm_head=False)
+      tokenizer = load_hf_tokenizer(directory, padding_side="left")
     super().__init__(model, _qwen3_pooled, tokenizer,
                      dim=model.config.hidden_size, max_length=max_length,
                      batch_size=batch_size,

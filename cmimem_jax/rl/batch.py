@@ -12,35 +12,6 @@ from cmimem_jax.sampling.constraint import TokenConstraint
 from cmimem_jax.sampling.sampler import SampleOutput, left_pad
 
 
-def trim_common_padding(batch: dict[str, np.ndarray], multiple: int
-                        ) -> dict[str, np.ndarray]:
-  """Drops the leading columns that are padding in every row (`mask` 0),
-  in whole multiples of `multiple` so few distinct widths compile.
-
-  Exact: RoPE positions come from the mask and masked keys get no
-  attention weight, so the rows' log-probs and the loss are unchanged; the
-  update does (prompt bucket - longest prompt) fewer columns of work, as
-  a trainer that pads to the batch's longest prompt does (TRL).
-
-  Args:
-    batch: `rollout_batch` / `supervised_batch` arrays; every `[B, T]`
-      array is cut alike, others (`advantages`) kept.
-    multiple: column quantum (0 or 1: cut every common padding column).
-  """
-  mask = batch["mask"]
-  used = np.flatnonzero(mask.any(0))
-  if not len(used):
-    return batch
-  drop = int(used[0])
-  if multiple > 1:
-    drop -= drop % multiple
-  if not drop:
-    return batch
-  width = mask.shape[1]
-  return {k: (v[:, drop:] if v.ndim == 2 and v.shape[1] == width else v)
-          for k, v in batch.items()}
-
-
 def shared_prompt_group(tokens: np.ndarray, mask: np.ndarray, start: int,
                         groups_divisor: int = 1) -> int:
   """Rows per shared prompt: the largest G such that every run of G

@@ -304,23 +304,47 @@ class Learner:
     self.optimizer = programs.optimizer
     self.param_shardings = programs.param_shardings
     self.opt_shardings = programs.opt_shardings
-    self.params = jax.device_put(nnx.to_pure_dict(state),
-                                 self.param_shardings)
-    self.opt_state = programs.init_opt_state(self.params)
-    self.ref_params = None
-    if config.loss.uses_reference or keep_reference:
-      source = self.params if reference is None else nnx.to_pure_dict(
-          nnx.state(reference, nnx.Param))
-      # A real copy: the policy's buffers are donated every step.
-      self.ref_params = jax.tree.map(jnp.copy, jax.device_put(
-          source, self.param_shardings))
     if (min_budget is None) != (config.constraint_eos_id is None):
       raise ValueError("a constrained learner needs both "
                        "config.constraint_eos_id and min_budget")
-    self.min_budget = None if min_budget is None else jax.device_put(
-        min_budget, NamedSharding(mesh, P()))
+    replicated = NamedSharding(mesh, P())
+    # Abstract weights (`ShapeDtypeStruct` leaves, e.g. `abstract_model`):
+    # a learner that only lowers its program (`lower`), for devices this
+    # process may not have (`tools/plan.py`'s TPU topologies).
+    self.abstract = any(isinstance(x, jax.ShapeDtypeStruct)
+                        for x in jax.tree.leaves(state))
+    keep = config.loss.uses_reference or keep_reference
+    if self.abstract:
+      describe = lambda tree, shardings: jax.tree.map(  # noqa: E731
+          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+          tree, shardings)
+      self.params = describe(nnx.to_pure_dict(state), self.param_shardings)
+      self.opt_state = describe(jax.eval_shape(self.optimizer.init,
+                                               self.params),
+                                self.opt_shardings)
+      self.ref_params = self.params if keep else None
+      self.min_budget = None if min_budget is None else jax.ShapeDtypeStruct(
+          min_budget.shape, min_budget.dtype, sharding=replicated)
+    else:
+      self.params = jax.device_put(nnx.to_pure_dict(state),
+                                   self.param_shardings)
+      self.opt_state = programs.init_opt_state(self.params)
+      self.ref_params = None
+      if keep:
+        source = self.params if reference is None else nnx.to_pure_dict(
+            nnx.state(reference, nnx.Param))
+        # A real copy: the policy's buffers are donated every step.
+        self.ref_params = jax.tree.map(jnp.copy, jax.device_put(
+            source, self.param_shardings))
+      self.min_budget = None if min_budget is None else jax.device_put(
+          min_budget, replicated)
     self.skipped_updates = 0  # Non-finite steps not applied (this run).
     self._programs = programs
+
+  @property
+  def shards(self) -> int:
+    """Ways the batch is split (`parallel.batch_divisor`)."""
+    return batch_divisor(self.mesh)
 
   @property
   def model(self) -> Qwen3:
@@ -370,14 +394,33 @@ class Learner:
     the temporaries one update needs beyond the resident state)."""
     return self._compiled_step(self._step_args(batch))
 
+  def lower(self, batch: dict[str, jax.ShapeDtypeStruct], start: int,
+            group: int) -> jax.stages.Lowered:
+    """The update program for a batch of these shapes (split over the
+    batch axes as `place_batch` places it), first completion column
+    `start` and `group` rows per shared prompt, lowered: what `step` runs
+    for such a batch (`tools/plan.py` compiles it from abstract weights)."""
+    placed = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=(
+        NamedSharding(self.mesh, P(BATCH_AXES, *([None] * (len(x.shape)
+                                                           - 1))))))
+              for name, x in batch.items()}
+    return self._lower((start, group, self.params, self.opt_state, placed,
+                        self.ref_params if self.config.loss.uses_reference
+                        else None, self.min_budget))
+
+  def _lower(self, args: tuple[Any, ...]) -> jax.stages.Lowered:
+    # The mesh in context: the splash attention kernel shards itself over
+    # it (`models.attention`).
+    with jax.set_mesh(self.mesh):
+      return self._programs.step.lower(*args)
+
   def _compiled_step(self, args: tuple[Any, ...]) -> jax.stages.Compiled:
     compiled = self._programs.compiled
     leaves, treedef = jax.tree.flatten((args[4], args[6]))
     key = (*args[:2], treedef, tuple((x.shape, x.dtype) for x in leaves))
     if key not in compiled:
-      with jax.set_mesh(self.mesh):
-        compiled[key] = self._programs.step.lower(*args).compile(
-            step_compiler_options(self.mesh))
+      compiled[key] = self._lower(args).compile(
+          step_compiler_options(self.mesh))
       # Compiling leaves hundreds of MB of freed small allocations on the
       # heap; the step's own buffers come on top of what stays resident.
       release_free_heap()

@@ -7,12 +7,16 @@ takes token-id prompts and returns a `SampleOutput` in the sampler's layout
 (left-padded prompts, right-padded completions, per-token log-probs), so
 everything downstream — GRPO batches, decoding, the server — is the same
 whichever engine produced it.
+
+A training step (`rl.step.GRPOStep`) drives any engine through the hooks
+below (`reports_learner_logprobs`, `release`, `update_metrics`; `lower`
+where the engine's program is JAX's), never by its type.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 
@@ -39,3 +43,46 @@ class GenerationEngine(Protocol):
   def set_model(self, model: Qwen3) -> None:
     """Generates from `model`'s weights from now on (after an update)."""
     ...
+
+  # Whether the log-probs `generate` reports are the learner's own (same
+  # model, same math: the JAX sampler); if not (vLLM), a training step
+  # recomputes them with the learner before its update.
+  reports_learner_logprobs: bool
+
+  def release(self, programs: bool = False, weights: bool = False) -> None:
+    """Frees what the engine holds between calls before a learner update
+    that needs the memory (KV buffers; with `programs` its compiled
+    programs, with `weights` its own copy of the weights: `set_model`
+    hands the new ones over). Nothing for an engine holding none."""
+    ...
+
+  def update_metrics(self) -> dict[str, Any]:
+    """What the last `set_model` did, as step metrics (e.g. how vLLM got
+    the weights); {} for nothing to report."""
+    ...
+
+  def lower(self, rows: int, length: int, max_new_tokens: int,
+            group: int = 1, constrained: bool = True) -> Any:
+    """The `jax.stages.Lowered` generation program of one wave of `rows`
+    rows (`group` per shared prompt) in prompt bucket `length`: what
+    `tools/plan.py` compiles ahead of time. Engines whose program is not
+    JAX's raise NotImplementedError."""
+    ...
+
+
+class EngineHooks:
+  """The training-step hooks of `GenerationEngine` for an engine with
+  nothing to free or report, whose log-probs are the learner's (a base
+  for stand-in engines; `Sampler` and `VLLMEngine` define their own)."""
+
+  reports_learner_logprobs = True
+
+  def release(self, programs: bool = False, weights: bool = False) -> None:
+    del programs, weights
+
+  def update_metrics(self) -> dict[str, Any]:
+    return {}
+
+  def lower(self, rows: int, length: int, max_new_tokens: int,
+            group: int = 1, constrained: bool = True) -> Any:
+    raise NotImplementedError(f"{type(self).__name__} has no JAX program")

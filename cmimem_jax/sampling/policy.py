@@ -38,6 +38,22 @@ def load_tokenizer(path: str) -> Any:
   return load_hf_tokenizer(path)
 
 
+def policy_runtime(section: Any) -> dict[str, Any]:
+  """The `policy` section's runtime settings of any architecture (dtype
+  policy, rematerialisation, attention backend)."""
+  return dict(dtype=section.dtype, param_dtype=section.param_dtype,
+              remat=section.remat, attention_impl=section.attention_impl)
+
+
+def random_policy_config(section: Any, vocab_size: int,
+                         **overrides: Any) -> Qwen3Config:
+  """The architecture of source "random": the `preset`, vocabulary sized
+  to the tokenizer (`overrides` last, e.g. a layer count)."""
+  return preset(section.preset, vocab_size=vocab_size,
+                max_position_embeddings=section.max_position_embeddings,
+                **{**policy_runtime(section), **overrides})
+
+
 def load_policy(section: Any, vocab_size: int) -> Qwen3:
   """The policy from the `policy` config section.
 
@@ -45,13 +61,10 @@ def load_policy(section: Any, vocab_size: int) -> Qwen3:
   sized to the tokenizer); "gguf": a llama.cpp file ("" = the embedded
   SmolLM2); "hf": a HF checkpoint directory.
   """
-  runtime = dict(dtype=section.dtype, param_dtype=section.param_dtype,
-                 remat=section.remat, attention_impl=section.attention_impl)
+  runtime = policy_runtime(section)
   if section.source == "random":
-    config = preset(section.preset, vocab_size=vocab_size,
-                    max_position_embeddings=section.max_position_embeddings,
-                    **runtime)
-    return Qwen3(config, rngs=nnx.Rngs(section.seed))
+    return Qwen3(random_policy_config(section, vocab_size),
+                 rngs=nnx.Rngs(section.seed))
   if section.source == "gguf":
     return load_gguf(section.path or smollm2_gguf_path(), **runtime)
   if section.source == "hf":
@@ -159,18 +172,20 @@ class ChatPolicy:
           constraint: TokenConstraint | None = None,
           max_rows_per_wave: int = 0, share_prompts: bool = True,
           row_stop_shape: tuple[int, int] | None = None,
-          **kwargs: Any) -> ChatPolicy:
+          decode_devices: str = "one", **kwargs: Any) -> ChatPolicy:
     """A policy generating with the JAX `Sampler` over `model` (every
     completion a match of `constraint`, if given; at most
     `max_rows_per_wave` rows decoded at once, 0 = all; `share_prompts`:
     identical consecutive prompts share one prefill; `row_stop_shape`:
-    each row's own stop sequences, see `Sampler`)."""
+    each row's own stop sequences; `decode_devices`: "one" or "mesh"
+    device(s) of `mesh` decode; see `Sampler`)."""
     eos_ids, pad_id = special_ids(tokenizer)
     sampler = Sampler(model, SamplingConfig(eos_ids=eos_ids, pad_id=pad_id),
                       buckets=buckets, mesh=mesh, constraint=constraint,
                       max_rows_per_wave=max_rows_per_wave,
                       share_prompts=share_prompts,
-                      row_stop_shape=row_stop_shape)
+                      row_stop_shape=row_stop_shape,
+                      decode_devices=decode_devices)
     return cls(sampler, tokenizer, max_prompt_tokens, **kwargs)
 
   def set_model(self, model: Qwen3) -> None:

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from cmimem_jax.models.host_memory import release_free_heap
 from cmimem_jax.models.qwen3.model import KVCache, Qwen3, positions_from_mask
+from cmimem_jax.parallel.mesh import BATCH_AXES, batch_divisor
+from cmimem_jax.parallel.partition import fit_spec
 from cmimem_jax.sampling.constraint import TokenConstraint, constrain_logits
 
 # Prompt lengths a compiled program is padded to: powers of two up to 1,024,
@@ -159,7 +162,8 @@ def sample_token(logits: jax.Array, key: jax.Array,
 # only shapes (batch, prompt bucket, the budget cap) and EOS / pad ids select
 # a compiled program.
 @functools.partial(nnx.jit, static_argnames=("max_new_tokens", "eos_ids",
-                                             "pad_id", "unrolled"),
+                                             "pad_id", "unrolled",
+                                             "split_rows"),
                    donate_argnames=("prompt_cache", "cache"), graph=False)
 def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
               prompt_cache: KVCache, cache: KVCache, key: jax.Array,
@@ -167,14 +171,27 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
               stop_table: jax.Array,
               constraint: tuple[jax.Array, jax.Array, jax.Array] | None, *,
               max_new_tokens: int, eos_ids: tuple[int, ...], pad_id: int,
-              unrolled: bool):
+              unrolled: bool, split_rows: bool = False):
   """P distinct prompts `tokens` `[P, Tp]` prefilled once into
-  `prompt_cache` `[L, P, Tp, ...]`; B = P·N rows (row b continues prompt
-  b // N) decode into their own `cache` `[L, B, max_new_tokens, ...]`,
+  `prompt_cache` `[L, Tp, KV, P, D]`; B = P·N rows (row b continues prompt
+  b // N) decode into their own `cache` `[L, max_new_tokens, KV, B, D]`,
   attending to their prompt's shared keys first. `unrolled`: decode over
-  per-layer weight and cache copies (`Qwen3Config.decode_loop`)."""
+  per-layer weight and cache copies (`Qwen3Config.decode_loop`).
+  `split_rows`: the per-row state stays split over the context mesh's
+  batch axes (`parallel.BATCH_AXES`), as the caches and prompts are
+  (`Sampler`'s `decode_devices="mesh"`)."""
   batch = cache.valid.shape[0]
   group = batch // tokens.shape[0]
+
+  def rows_split(x: jax.Array) -> jax.Array:
+    """`x` `[B, ...]` kept split over the batch axes (no-op unless
+    `split_rows`): XLA's propagation would otherwise be free to replicate
+    the loop's per-row state."""
+    if not split_rows:
+      return x
+    return jax.lax.with_sharding_constraint(
+        x, PartitionSpec(BATCH_AXES, *([None] * (x.ndim - 1))))
+
   positions = positions_from_mask(mask)
   # The buffers are reused across calls: forget what they held.
   prompt_cache = KVCache(prompt_cache.keys, prompt_cache.values,
@@ -184,7 +201,8 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
                                              cache=prompt_cache, cache_index=0)
   # Only the last prompt position's logits are needed (the LM head over the
   # whole prompt would dominate prefill for large vocabularies).
-  last_logits = jnp.repeat(model.logits(hidden[:, -1]), group, axis=0)
+  last_logits = rows_split(jnp.repeat(model.logits(hidden[:, -1]), group,
+                                     axis=0))
   layers, prefix = None, prompt_cache
   if unrolled:
     layers = model.layer_params()
@@ -192,15 +210,17 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
   next_position = jnp.repeat(positions[:, -1] + 1, group)
   eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
 
-  out_tokens = jnp.full((batch, max_new_tokens), pad_id,
-                        jnp.int32)
-  out_logprobs = jnp.zeros((batch, max_new_tokens), jnp.float32)
-  done = jnp.zeros((batch,), bool)
-  lengths = jnp.zeros((batch,), jnp.int32)
+  next_position = rows_split(next_position)
+  out_tokens = rows_split(jnp.full((batch, max_new_tokens), pad_id,
+                                   jnp.int32))
+  out_logprobs = rows_split(jnp.zeros((batch, max_new_tokens), jnp.float32))
+  done = rows_split(jnp.zeros((batch,), bool))
+  lengths = rows_split(jnp.zeros((batch,), jnp.int32))
   # The automaton state of each row (unused without a constraint).
   grammar = jnp.zeros((batch,), jnp.int32)
   if constraint is not None:
     grammar = grammar + constraint[2]
+  grammar = rows_split(grammar)
 
   def cond(state):
     step, _, _, _, _, done, _, _, _, _ = state
@@ -229,8 +249,8 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
     logits, cache = model(token[:, None], next_position[:, None], step_mask,
                           cache=cache, cache_index=step, layers=layers,
                           prefix=prefix)
-    return (step + 1, logits[:, 0], cache, out_tokens, out_logprobs, new_done,
-            lengths, next_position + 1, key, grammar)
+    return (step + 1, rows_split(logits[:, 0]), cache, out_tokens,
+            out_logprobs, new_done, lengths, next_position + 1, key, grammar)
 
   state = (jnp.int32(0), last_logits, cache, out_tokens, out_logprobs, done,
            lengths, next_position, key, grammar)
@@ -241,9 +261,20 @@ def _generate(model: Qwen3, tokens: jax.Array, mask: jax.Array,
   return out_tokens, out_logprobs, lengths, prompt_cache, cache
 
 
-# A shape's KV buffers, allocated by one program that `Sampler.compile`
-# builds ahead (eagerly, each `jnp.zeros` would compile on first use).
-_zero_cache = jax.jit(KVCache.zeros, static_argnums=(0, 1, 2))
+@functools.lru_cache(maxsize=None)
+def _zero_cache(keys: NamedSharding | None, valid: NamedSharding | None):
+  """The program allocating a shape's KV buffers (`KVCache.zeros(config,
+  rows, length)`) straight into their shardings: a cache split over the
+  chips is never whole on one of them. `Sampler.compile` builds it ahead
+  (eagerly, each `jnp.zeros` would compile on first use)."""
+  shardings = None if keys is None else KVCache(keys, keys, valid)
+  return jax.jit(KVCache.zeros, static_argnums=(0, 1, 2),
+                 out_shardings=shardings)
+
+
+# `Sampler(decode_devices=...)`: one device decodes, or the mesh does with
+# the rows split over its batch axes.
+DECODE_DEVICES = ("one", "mesh")
 
 
 def shared_prompt_group(prompts: Sequence[Sequence[int]]) -> int:
@@ -301,8 +332,53 @@ def _ends_with_stop(tokens: jax.Array, step: jax.Array,
   return jnp.any(jnp.all(match, axis=-1), axis=-1)
 
 
+def wave_rows(rows: int, group: int, shards: int, max_rows_per_wave: int
+              ) -> int:
+  """Rows a decoding wave of `rows` rows in groups of `group` takes:
+  whole groups x `shards` (the batch shards decoding), at most
+  `max_rows_per_wave` but at least one such unit; 0: all rows at once."""
+  unit = group * shards
+  if not max_rows_per_wave:
+    return rows
+  return max(unit, max_rows_per_wave // unit * unit)
+
+
 class Sampler:
-  """Batched generation with a Flax `Qwen3` policy."""
+  """Batched generation with a Flax `Qwen3` policy.
+
+  Where it decodes (`decode_devices`, with a `mesh`):
+
+  * "one": on the mesh's first device, from one copy of the weights
+    gathered there (`release_weights` frees it). The CPU default: CPU
+    devices share one host memory, so decoding on all of them would only
+    hold the KV cache and the layer copies once per device (6.6 GiB for
+    SmolLM2-135M on fsdp:8 against 4 on one device).
+  * "mesh": on every chip, prompts, tokens, log-probs, the per-row
+    sampling parameters and both KV caches (`[L, S, KV, B, D]`, spec
+    `P(None, None, "tensor", BATCH_AXES, None)`) split over the batch
+    axes (`parallel.BATCH_AXES`, data x fsdp): each chip holds 1 / shards
+    of every cache. A wave's distinct prompts are padded to a multiple of
+    the shards (copies of the last, dropped from the output), and waves
+    are whole groups x shards rows. The weights stay as the learner holds
+    them (FSDP-sharded, its own arrays: no copy, nothing to release); XLA
+    gathers each layer's weights inside the layer loop as a decoding step
+    needs them (in the compute dtype: it moves the cast before the
+    all-gather), and the tied LM head once a step. Chosen over a decode
+    copy (the layer weights cast and replicated once per wave) by the AOT
+    compile of Table 7's wave on a v5p-8 (`tools/plan.py`, BENCHMARKS.md
+    "TPU plan of Table 7"): the copy costs 7.0 GiB more per chip (66.2
+    against 59.1 GiB for 4 sessions per chip), room a v6e-8 (32 GiB)
+    barely has. The price is interconnect traffic each decoding step:
+    every chip receives the (chips - 1) / chips of the bf16 weights it
+    does not hold (Qwen3-4B on 4 chips: ~6 GB a step), which the plan's
+    roofline does not count; a decode copy is the lever if decoding on a
+    reservation proves bound by it.
+
+  Sampling is sharding-invariant: `jax_threefry_partitionable` (JAX's
+  default) draws each row's random bits from its position, not from the
+  device holding it, so a mesh decodes the tokens one device decodes
+  (tests/sampling/test_sampler.py).
+  """
 
   def __init__(self, model: Qwen3, config: SamplingConfig = SamplingConfig(),
                buckets: Sequence[int] = DEFAULT_BUCKETS,
@@ -310,51 +386,67 @@ class Sampler:
                mesh: Mesh | None = None,
                constraint: TokenConstraint | None = None,
                max_cached_shapes: int = 4, share_prompts: bool = True,
-               max_rows_per_wave: int = 0,
+               max_rows_per_wave: int = 0, decode_devices: str = "one",
                row_stop_shape: tuple[int, int] | None = None):
     """`mesh`: where the model's (sharded) parameters live; prompts, keys
-    and the KV cache are then placed on it too. `constraint`: every
-    completion is a match of its regex, then EOS (which must be the first
-    of `config.eos_ids`). `max_cached_shapes`: KV buffers kept for reuse
-    (least recently used dropped first). `share_prompts`: groups of
-    identical consecutive prompts are prefilled once and share one prompt
-    KV cache (False: a copy per row; same tokens and log-probs).
-    `max_rows_per_wave`: decode at most this many rows at once (rounded
-    down to whole groups; 0 = all), bounding the KV cache in memory
-    (`tools/plan.py` gives the rows per chip that fit); each wave samples
-    with its own key. `row_stop_shape` (slots, tokens): every call takes
-    each row's own stop sequences (`generate(row_stops=...)`) in a table
-    of that shape (a server: OpenAI's `stop`, up to 4 per request);
+    and the KV cache are then placed on it too, as `decode_devices` says
+    ("one" | "mesh", see the class). `model` may be abstract
+    (`ShapeDtypeStruct` leaves with shardings: `lower` only, as
+    `tools/plan.py` builds it). `constraint`: every completion is a match
+    of its regex, then EOS (which must be the first of `config.eos_ids`).
+    `max_cached_shapes`: KV buffers kept for reuse (least recently used
+    dropped first). `share_prompts`: groups of identical consecutive
+    prompts are prefilled once and share one prompt KV cache (False: a
+    copy per row; same tokens and log-probs). `max_rows_per_wave`: decode
+    at most this many rows at once (rounded down to whole groups, times
+    the batch shards with "mesh"; 0 = all), bounding the KV cache in
+    memory (`tools/plan.py` gives the rows per chip that fit); each wave
+    samples with its own key. `row_stop_shape` (slots, tokens): every call
+    takes each row's own stop sequences (`generate(row_stops=...)`) in a
+    table of that shape (a server: OpenAI's `stop`, up to 4 per request);
     None: the `stop_sequences` of every row."""
     if max_rows_per_wave < 0:
       raise ValueError("max_rows_per_wave must be >= 0")
+    if decode_devices not in DECODE_DEVICES:
+      raise ValueError(f"decode_devices must be one of {DECODE_DEVICES}, "
+                       f"got {decode_devices!r}")
+    self.decode_devices = decode_devices
     # Where the weights are moved to (None: they stay where they are).
     self._local_sharding = None
-    if mesh is not None and mesh.devices.size > 1 and all(
-        d.platform == "cpu" for d in mesh.devices.flat):
-      # CPU devices share one host memory: decoding replicated over them
-      # would gather the weights, copy the layers and hold the KV cache
-      # once per device (6.6 GiB for SmolLM2-135M on fsdp:8 against 4 on
-      # one device). The mesh's first device decodes alone, from one
-      # gathered copy of the weights.
+    if mesh is not None and decode_devices == "one" and mesh.devices.size > 1:
       mesh = Mesh(mesh.devices.flat[:1].reshape((1,) * mesh.devices.ndim),
                   mesh.axis_names)
       self._local_sharding = NamedSharding(mesh, PartitionSpec())
+    if decode_devices == "mesh" and not jax.config.jax_threefry_partitionable:
+      raise ValueError("decode_devices='mesh' needs jax_threefry_partitionable"
+                       " (JAX's default): without it a row's samples depend "
+                       "on how the rows are split")
+    self.mesh = mesh
+    self.abstract = any(isinstance(x, jax.ShapeDtypeStruct)
+                        for x in jax.tree.leaves(nnx.state(model)))
+    self.split_rows = mesh is not None and decode_devices == "mesh"
+    # Rows of a wave split this many ways (1: one device, or no mesh).
+    self.row_shards = batch_divisor(mesh) if self.split_rows else 1
     self.model = self._local(model)
-    self.unrolled = model.config.unrolled_decode
+    platform = (jax.default_backend() if mesh is None
+                else mesh.devices.flat[0].platform)
+    # `Qwen3Config.decode_loop` for the devices that decode (a plan for a
+    # TPU compiled on a CPU host scans, as the TPU does).
+    loop = model.config.decode_loop
+    self.unrolled = loop == "unrolled" or (loop == "auto"
+                                           and platform == "cpu")
     self.share_prompts = share_prompts
     self.max_rows_per_wave = max_rows_per_wave
     self._sharding = (None if mesh is None
                       else NamedSharding(mesh, PartitionSpec()))
-    self._place = (lambda x: x) if mesh is None else functools.partial(
-        jax.device_put, device=self._sharding)
     # The splash attention kernel of a TPU prefill shards over the mesh in
-    # context (`models.attention`).
+    # context (`models.attention`); the decode loop's row constraints name
+    # its axes.
     self._mesh_context = ((lambda: contextlib.nullcontext()) if mesh is None
                           else lambda: jax.set_mesh(mesh))
     self.config = config
     self.buckets = tuple(buckets)
-    self.stop_table = self._place(jnp.asarray(stop_table(stop_sequences)))
+    self.stop_table = self._place(stop_table(stop_sequences))
     # (slots, tokens) of the per-row stop tables (`row_stops`): one shape
     # for every call, so a server's warm-up compiles what requests run.
     self.row_stop_shape = row_stop_shape
@@ -365,9 +457,13 @@ class Sampler:
         raise ValueError(f"the constraint ends with token {constraint.eos_id};"
                          f" the sampler's first EOS id is {config.eos_ids}")
       # The learner of the same constraint reads the same device tables.
+      tables = (tuple(self._place(constraint.padded_table(
+          name, model.config.vocab_size)) for name in ("next_state",
+                                                        "min_budget"))
+                if self.abstract else constraint.device_tables(
+                    model.config.vocab_size, self._sharding))
       self._constraint_arrays = (
-          *constraint.device_tables(model.config.vocab_size, self._sharding),
-          self._place(jnp.asarray(np.int32(constraint.initial_state))))
+          *tables, self._place(np.asarray(np.int32(constraint.initial_state))))
     # The (prompt, rows') KV buffers of the most recently used shapes (LRU,
     # bounded: a server sees many batch / length combinations).
     self._caches: collections.OrderedDict[
@@ -375,26 +471,68 @@ class Sampler:
     self.max_cached_shapes = max_cached_shapes
     self._compiled_shapes: set[tuple[int, ...]] = set()
 
+  def _place(self, x: Any, sharding: NamedSharding | None = None) -> Any:
+    """`x` (an array, or a `ShapeDtypeStruct`) on the sampler's devices
+    (`sharding`, default replicated). An abstract sampler (abstract
+    weights: compiled for devices this process may not have, e.g. a TPU
+    topology's) places nothing: it describes `x` with the sharding."""
+    sharding = sharding or self._sharding
+    if self.abstract or isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return x if sharding is None else jax.device_put(jnp.asarray(x),
+                                                     sharding)
+
+  def _rows_sharding(self, ndim: int) -> NamedSharding | None:
+    """A `[B, ...]` array's sharding: split over the batch axes with
+    "mesh", else replicated (None without a mesh)."""
+    if not self.split_rows:
+      return self._sharding
+    return NamedSharding(self.mesh,
+                         PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
+
+  def _cache_shardings(self, rows: int, length: int
+                       ) -> tuple[NamedSharding | None, NamedSharding | None]:
+    """(keys / values, valid) shardings of a `rows` x `length` KV cache:
+    `[L, S, KV, B, D]` split over the batch axes on B (and `tensor` on
+    KV where it divides) with "mesh"."""
+    if not self.split_rows:
+      return self._sharding, self._sharding
+    c = self.model.config
+    shape = (c.num_hidden_layers, length, c.num_key_value_heads, rows,
+             c.head_dim)
+    spec = fit_spec(PartitionSpec(None, None, "tensor", BATCH_AXES, None),
+                    shape, self.mesh)
+    return NamedSharding(self.mesh, spec), self._rows_sharding(2)
+
+  def _zeros(self, rows: int, length: int) -> KVCache:
+    return _zero_cache(*self._cache_shardings(rows, length))(
+        self.model.config, rows, length)
+
   def set_model(self, model: Qwen3) -> None:
     """Samples from `model` from now on (same graph: no recompilation)."""
     self.model = self._local(model)
 
   def _local(self, model: Qwen3) -> Qwen3:
     """`model` with its weights on the sampler's one device when it
-    decodes on one device of a CPU mesh (see `__init__`), else itself."""
+    decodes on one device of a mesh (see the class; abstract weights get
+    that sharding), else itself."""
     state = nnx.state(model)
     if self._local_sharding is None or all(
         x.sharding.is_equivalent_to(self._local_sharding, x.ndim)
         for x in jax.tree.leaves(state)):
       return model
-    return nnx.merge(nnx.graphdef(model),
-                     jax.device_put(state, self._local_sharding))
+    local = self._local_sharding
+    return nnx.merge(nnx.graphdef(model), jax.tree.map(
+        lambda x: (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=local)
+                   if isinstance(x, jax.ShapeDtypeStruct)
+                   else jax.device_put(x, local)), state))
 
   def release_weights(self) -> None:
-    """Drops the sampler's own copy of the weights, if it has one (a CPU
-    mesh's one-device copy, see `__init__`; 0.5 GiB for SmolLM2-135M):
-    a trainer calls it before its update, which replaces the weights, and
-    hands the new ones over with `set_model` before the next call."""
+    """Drops the sampler's own copy of the weights, if it has one (the
+    one-device copy of "one" on a mesh, see the class; 0.5 GiB for
+    SmolLM2-135M): a trainer calls it before its update, which replaces
+    the weights, and hands the new ones over with `set_model` before the
+    next call."""
     if self._local_sharding is not None:
       self.model = None
 
@@ -420,6 +558,29 @@ class Sampler:
     self._compiled_shapes.clear()
     release_free_heap()
 
+  # -- `GenerationEngine` hooks of a training step ---------------------------
+
+  # The log-probs it reports are the learner's own (the same model and
+  # math): the step takes them as the old log-probs.
+  reports_learner_logprobs = True
+
+  def release(self, programs: bool = False, weights: bool = False) -> None:
+    """`GenerationEngine.release`: frees the KV buffers kept for reuse;
+    with `programs` the compiled programs too (`release_programs`), with
+    `weights` the sampler's own weight copy (`release_weights`)."""
+    if programs:
+      self.release_programs()
+    else:
+      self.release_caches()
+    if weights:
+      self.release_weights()
+
+  def update_metrics(self) -> dict[str, Any]:
+    """`GenerationEngine.update_metrics`: nothing to report."""
+    return {}
+
+  # --------------------------------------------------------------------------
+
   def generate(self, prompts: Sequence[Sequence[int]], key: jax.Array,
                temperature: float | Sequence[float],
                top_p: float | Sequence[float], max_new_tokens: int,
@@ -443,6 +604,11 @@ class Sampler:
     """Generates for token-id prompts (any lengths; left-padded here)."""
     config = config or self.config
     return self._sample(prompts, key, config.temperature, config.top_p, config)
+
+  def wave_rows(self, rows: int, group: int) -> int:
+    """Rows one decoding wave of `rows` rows in groups of `group` takes
+    (`wave_rows` with this sampler's shards and wave limit)."""
+    return wave_rows(rows, group, self.row_shards, self.max_rows_per_wave)
 
   def _sample(self, prompts: Sequence[Sequence[int]], key: jax.Array,
               temperature: float | Sequence[float],
@@ -479,9 +645,7 @@ class Sampler:
     # prefilled once and their KV cache shared by the N rows.
     group = shared_prompt_group(prompts) if self.share_prompts else 1
     # Waves of whole groups bound the KV cache held at once.
-    wave = rows
-    if self.max_rows_per_wave:
-      wave = max(group, self.max_rows_per_wave // group * group)
+    wave = self.wave_rows(rows, group)
     keys = [key] if wave >= rows else jax.random.split(key, -(-rows // wave))
     stops = self._row_stop_tables(rows, row_stops)
     outs = [self._wave(prompts[start:start + wave], keys[i],
@@ -511,33 +675,58 @@ class Sampler:
                        "prompts")
     return np.stack([stop_table(s, *self.row_stop_shape) for s in row_stops])
 
-  def compile(self, rows: int, length: int, max_new_tokens: int,
-              constrained: bool = True) -> None:
-    """Compiles, or loads from JAX's persistent compilation cache, the
-    program `generate` runs for `rows` distinct prompts (no shared
-    prefill) in prompt bucket `length` with `max_new_tokens`, from abstract
-    shapes: nothing runs and no KV cache is allocated. A later `generate`
-    of that shape runs it without compiling."""
+  def padded_prompts(self, prompts: int) -> int:
+    """Distinct prompts a wave of `prompts` is decoded as: a multiple of
+    the batch shards (the rest copies of the last prompt, dropped from the
+    output)."""
+    return -(-prompts // self.row_shards) * self.row_shards
+
+  def lower(self, rows: int, length: int, max_new_tokens: int,
+            group: int = 1, constrained: bool = True) -> jax.stages.Lowered:
+    """The program `generate` runs for one wave of `rows` rows in groups of
+    `group` identical prompts (`rows / group` prefilled prompts, padded
+    as a wave is: `padded_prompts`) in prompt bucket `length` with
+    `max_new_tokens`, lowered from abstract shapes (placed as `generate`
+    places them): nothing runs and no KV cache is allocated. What
+    `tools/plan.py` compiles, from abstract weights."""
+    if rows % group:
+      raise ValueError(f"{rows} rows are not whole groups of {group}")
     config = dataclasses.replace(self.config, max_new_tokens=max_new_tokens)
-    tokens = np.zeros((rows, length), np.int32)
-    per_row = np.zeros((rows,), np.float32)
-    abstract = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=self._sharding))
-    cache_shapes = ((rows, length), (rows, max_new_tokens))
-    for s in cache_shapes:
-      _zero_cache.lower(self.model.config, *s).compile()
-    caches = tuple(abstract(jax.eval_shape(functools.partial(
-        KVCache.zeros, self.model.config, *s))) for s in cache_shapes)
+    prompts = self.padded_prompts(rows // group)
+    rows = prompts * group
+    tokens = jax.ShapeDtypeStruct((prompts, length), np.int32)
+    per_row = jax.ShapeDtypeStruct((rows,), np.float32)
+    budgets = jax.ShapeDtypeStruct((rows,), np.int32)
+    caches = tuple(self._abstract_cache(*s)
+                   for s in ((prompts, length), (rows, max_new_tokens)))
     # The key as `generate` gets it: split from another key.
-    key = abstract(jax.eval_shape(
-        lambda: jax.random.split(jax.random.key(0))[0]))
+    key = jax.eval_shape(lambda: jax.random.split(jax.random.key(0))[0])
     constraint = self._constraint_arrays if constrained else None
     with self._mesh_context():
-      _generate.lower(*self._arguments(
-          tokens, tokens, caches, key, per_row, per_row,
-          per_row.astype(np.int32), constraint,
-          self._row_stop_tables(rows, None)),
-                      **self._static_arguments(config)).compile()
+      return _generate.lower(*self._arguments(
+          tokens, tokens, caches, key, per_row, per_row, budgets,
+          constraint, self._row_stop_tables(rows, None)),
+                             **self._static_arguments(config))
+
+  def _abstract_cache(self, rows: int, length: int) -> KVCache:
+    keys, valid = self._cache_shardings(rows, length)
+    shapes = jax.eval_shape(functools.partial(
+        KVCache.zeros, self.model.config, rows, length))
+    return KVCache(*(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                     for x, s in ((shapes.keys, keys), (shapes.values, keys),
+                                  (shapes.valid, valid))))
+
+  def compile(self, rows: int, length: int, max_new_tokens: int,
+              constrained: bool = True, group: int = 1) -> None:
+    """Compiles, or loads from JAX's persistent compilation cache, the
+    program `generate` runs for `rows` rows (`lower`), and its KV buffers'
+    allocation: a later `generate` of that shape runs it without
+    compiling."""
+    prompts = self.padded_prompts(rows // group)
+    for s in ((prompts, length), (prompts * group, max_new_tokens)):
+      _zero_cache(*self._cache_shardings(*s)).lower(
+          self.model.config, *s).compile()
+    self.lower(rows, length, max_new_tokens, group, constrained).compile()
 
   def _arguments(self, tokens: np.ndarray, mask: np.ndarray,
                  caches: tuple[KVCache, KVCache], key: jax.Array,
@@ -546,11 +735,10 @@ class Sampler:
                  constraint: tuple[jax.Array, ...] | None,
                  row_stops: np.ndarray | None = None) -> tuple:
     """`_generate`'s positional arguments, placed as `_wave` runs them
-    (`compile` lowers the same, so both select one program)."""
-    place = lambda x: self._place(jnp.asarray(x))  # noqa: E731
-    if not isinstance(key, jax.ShapeDtypeStruct):
-      key = self._place(key)
-    return (self.model, place(tokens), place(mask), *caches, key,
+    (`lower` places the same, abstract, so both select one program)."""
+    def place(x: np.ndarray | jax.ShapeDtypeStruct) -> Any:
+      return self._place(x, self._rows_sharding(x.ndim))
+    return (self.model, place(tokens), place(mask), *caches, self._place(key),
             place(temperature), place(top_p), place(budgets),
             self.stop_table if row_stops is None else place(row_stops),
             constraint)
@@ -558,7 +746,7 @@ class Sampler:
   def _static_arguments(self, config: SamplingConfig) -> dict:
     return {"max_new_tokens": config.max_new_tokens,
             "eos_ids": tuple(config.eos_ids), "pad_id": config.pad_id,
-            "unrolled": self.unrolled}
+            "unrolled": self.unrolled, "split_rows": self.split_rows}
 
   def _wave(self, prompts: Sequence[Sequence[int]], key: jax.Array,
             temperature: np.ndarray, top_p: np.ndarray, budgets: np.ndarray,
@@ -567,16 +755,26 @@ class Sampler:
             row_stops: np.ndarray | None = None) -> SampleOutput:
     """One compiled generation over `prompts` (groups of `group` identical
     prompts), left-padded to `length`, under `constraint`'s tables (None:
-    free)."""
+    free). With "mesh" the distinct prompts are padded to a multiple of
+    the batch shards (`padded_prompts`)."""
     rows = len(prompts)
-    tokens, mask = left_pad(prompts[::group], length, config.pad_id)
-    shape = (len(tokens), length, rows, config.max_new_tokens)
+    distinct = list(prompts[::group])
+    extra = self.padded_prompts(len(distinct)) - len(distinct)
+    if extra:
+      distinct += [distinct[-1]] * extra
+      temperature, top_p, budgets = (
+          np.concatenate([x, np.repeat(x[-1:], extra * group, axis=0)])
+          for x in (temperature, top_p, budgets))
+      if row_stops is not None:
+        row_stops = np.concatenate(
+            [row_stops, np.repeat(row_stops[-1:], extra * group, axis=0)])
+    tokens, mask = left_pad(distinct, length, config.pad_id)
+    shape = (len(tokens), length, len(tokens) * group, config.max_new_tokens)
     # One preallocated pair of caches per shape, donated to the program and
     # handed back, so decoding updates them in place and calls never
     # reallocate them.
     caches = self._caches.pop(shape, None) or tuple(
-        self._place(_zero_cache(self.model.config, *s))
-        for s in (shape[:2], shape[2:]))
+        self._zeros(*s) for s in (shape[:2], shape[2:]))
     with self._mesh_context():
       out_tokens, out_logprobs, lengths, *caches = _generate(
           *self._arguments(tokens, mask, caches, key, temperature, top_p,
@@ -590,6 +788,8 @@ class Sampler:
     self._caches[shape] = tuple(caches)
     while len(self._caches) > self.max_cached_shapes:
       self._caches.popitem(last=False)
-    return SampleOutput(np.asarray(out_tokens), np.asarray(out_logprobs),
-                        np.asarray(lengths), np.repeat(tokens, group, axis=0),
-                        np.repeat(mask, group, axis=0))
+    return SampleOutput(np.asarray(out_tokens)[:rows],
+                        np.asarray(out_logprobs)[:rows],
+                        np.asarray(lengths)[:rows],
+                        np.repeat(tokens, group, axis=0)[:rows],
+                        np.repeat(mask, group, axis=0)[:rows])

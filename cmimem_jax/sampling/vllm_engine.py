@@ -74,6 +74,27 @@ class VLLMEngine:
     """`GenerationEngine.set_model`: pushes the weights to vLLM."""
     self.last_push = self.push_weights(model)
 
+  # vLLM's log-probs are its kernels' (bf16 paths, other reductions), not
+  # the learner's: a training step recomputes them in JAX and logs the gap.
+  reports_learner_logprobs = False
+
+  def release(self, programs: bool = False, weights: bool = False) -> None:
+    """`GenerationEngine.release`: vLLM's memory is its own (sized by
+    `gpu_memory_utilization` when it starts); nothing to free."""
+    del programs, weights
+
+  def update_metrics(self) -> dict[str, Any]:
+    """`GenerationEngine.update_metrics`: how the last weights got to vLLM
+    (`vllm_weight_push`: "load_weights" or "reload")."""
+    return {"vllm_weight_push": self.last_push}
+
+  def lower(self, rows: int, length: int, max_new_tokens: int,
+            group: int = 1, constrained: bool = True) -> Any:
+    """`GenerationEngine.lower`: vLLM's programs are not JAX's."""
+    raise NotImplementedError("vLLM compiles its own CUDA graphs; "
+                              "tools/plan.py prices the JAX sampler's "
+                              "program instead")
+
   def push_weights(self, model: Qwen3) -> str:
     """Sends the current policy to vLLM; returns how ("load_weights" or
     "reload")."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -33,7 +32,8 @@ from typing import Any
 import jax
 import numpy as np
 from absl import logging
-from jax.sharding import NamedSharding, PartitionSpec as P
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cmimem_jax import storage
 from cmimem_jax.cmi.logprob import PolicyProfileLM
@@ -55,16 +55,16 @@ from cmimem_jax.models.host_memory import (release_free_heap,
 from cmimem_jax.models.qwen3.params import save_hf
 from cmimem_jax.parallel import (initialize_distributed, make_mesh,
                                  parse_mesh_shape, resolve_mesh_shape)
+from cmimem_jax.models.qwen3 import Qwen3
 from cmimem_jax.rl import (OLD_LOGPROBS, Checkpointer, GRPOLossConfig,
-                           Learner,
-                           MetricsWriter, OptimizerConfig, StopSignals,
-                           TrainStepConfig,
-                           group_advantages, load_model_weights, read_metrics,
-                           recompute_logprobs,
-                           rollout_batch)
+                           GRPOStep, Learner, MetricsWriter, OptimizerConfig,
+                           RewardFn, Rollouts, RolloutSettings, Scores,
+                           StopSignals, TrainStepConfig, load_model_weights,
+                           read_metrics)
 from cmimem_jax.rl.checkpoint import metrics_follow_checkpoints
-from cmimem_jax.sampling import (ChatPolicy, Sampler, TokenConstraint,
+from cmimem_jax.sampling import (ChatPolicy, TokenConstraint,
                                  load_policy_and_tokenizer, special_ids)
+from cmimem_jax.sampling.sampler import DECODE_DEVICES
 from cmimem_jax.sampling.vllm_engine import (VLLMEngine, checkpoint_dir,
                                              import_vllm)
 from cmimem_jax.task.curriculum import (Curriculum, SessionRef,
@@ -94,6 +94,9 @@ def _check_training(c) -> None:
           lambda v: isinstance(v, bool), "True or False")
   c.check("rollout.max_rows_per_wave", lambda v: isinstance(v, int) and v >= 0,
           "a non-negative integer")
+  c.check("rollout.decode_devices", lambda v: v in DECODE_DEVICES,
+          f"one of {DECODE_DEVICES}: decode on one device, or split the "
+          "rows over the mesh's batch axes")
   c.check("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]")
   for name in ("max_new_tokens", "max_prompt_tokens"):
     c.check(f"rollout.{name}", lambda v: isinstance(v, int) and v > 0,
@@ -167,6 +170,15 @@ def _check_training(c) -> None:
             f"rollout rows {sessions} sessions x {rollouts} rollouts = {rows}"
             f" must divide into rl.micro_batches={micro} x {shards} data "
             f"shards of mesh {c.get('mesh')!r}")
+      wave = c.get("rollout.max_rows_per_wave")
+      if (c.get("rollout.decode_devices") == "mesh"
+          and c.get("rollout.engine") == "jax" and isinstance(wave, int)
+          and wave % (rollouts * shards)):
+        c.problems.append(
+            f"rollout.max_rows_per_wave={wave} must be whole groups of "
+            f"{rollouts} rollouts x {shards} batch shards of mesh "
+            f"{c.get('mesh')!r} (rollout.decode_devices='mesh': every "
+            "chip decodes its share of every wave)")
     except (ValueError, AttributeError) as e:
       c.problems.append(f"mesh: {e}")
 
@@ -180,6 +192,91 @@ def grpo_loss_config(rl: Any) -> GRPOLossConfig:
       rl.epsilon_low, rl.epsilon_high, rl.kl_beta, rl.loss_aggregation,
       clip_ratio_c=rl.clip_ratio_c, log_ratio_clamp=rl.log_ratio_clamp,
       kl_clamp=rl.kl_clamp, old_logprobs=rl.old_logprobs)
+
+
+def train_step_config(config: Any, constraint: TokenConstraint | None
+                      ) -> TrainStepConfig:
+  """The learner's step of a training config: the `rl` section's
+  objective (`grpo_loss_config`), optimizer and micro-batching, the
+  rollouts' temperature, and the constraint's EOS when rollouts are
+  grammar-constrained."""
+  rl = config.rl
+  return TrainStepConfig(
+      loss=grpo_loss_config(rl),
+      optimizer=OptimizerConfig(
+          learning_rate=rl.learning_rate, warmup_steps=rl.warmup_steps,
+          weight_decay=rl.weight_decay, grad_clip_norm=rl.grad_clip_norm),
+      micro_batches=rl.micro_batches,
+      temperature=config.rollout.temperature,
+      logprob_chunk=rl.logprob_chunk, share_prompts=rl.share_prompts,
+      constraint_eos_id=None if constraint is None else constraint.eos_id)
+
+
+def rollout_settings(config: Any) -> RolloutSettings:
+  """How a training config's GRPO step samples (`rl.step.GRPOStep`)."""
+  rollout = config.rollout
+  return RolloutSettings(
+      group=rollout.num_rollouts, temperature=rollout.temperature,
+      top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens,
+      logprob_chunk=config.rl.logprob_chunk,
+      release_programs_each_step=rollout.release_programs_each_step)
+
+
+def jax_policy(config: Any, model: Qwen3, tokenizer: Any, mesh: Mesh,
+               constraint: TokenConstraint | None) -> ChatPolicy:
+  """The rollout policy of a training config on the JAX engine: the
+  `Sampler` over `model` (the learner's weights; abstract ones for
+  `tools/plan.py`), decoding on `rollout.decode_devices` of `mesh` in
+  waves of `rollout.max_rows_per_wave`."""
+  rollout = config.rollout
+  return ChatPolicy.jax(model, tokenizer, rollout.max_prompt_tokens,
+                        tuple(rollout.buckets), mesh, constraint=constraint,
+                        max_rows_per_wave=rollout.max_rows_per_wave,
+                        decode_devices=rollout.decode_devices)
+
+
+def grpo_step(config: Any, model: Qwen3, tokenizer: Any, mesh: Mesh,
+              workdir: str = "") -> GRPOStep:
+  """The GRPO step of a training config as `Trainer` runs it: the
+  learner of `model` (`train_step_config`, the KL / App. E reference),
+  the rollout engine (`jax_policy`, or vLLM over an HF copy of the
+  weights in `workdir`), the grammar constraint when
+  `rollout.constrained_dsl`. `model` may be abstract (`abstract_model`):
+  then nothing is placed and the step only lowers its programs
+  (`tools/plan.py`)."""
+  # Grammar-constrained rollouts: every response is valid DSL, and the
+  # learner takes its log-probs under the same mask.
+  constraint = (TokenConstraint.from_regex(response_regex(), tokenizer)
+                if config.rollout.constrained_dsl else None)
+  min_budget = None
+  if constraint is not None:
+    vocab = model.config.vocab_size
+    # The sampler's own device copy where it decodes on the whole mesh
+    # (`TokenConstraint.device_table`); never `next_state`, which only
+    # the sampler reads (decoding on one device, a copy replicated over
+    # the mesh would be 40 MB per device).
+    min_budget = (constraint.padded_table("min_budget", vocab)
+                  if _is_abstract(model) else constraint.device_table(
+                      "min_budget", vocab, NamedSharding(mesh, P())))
+  learner = Learner(model, train_step_config(config, constraint), mesh,
+                    min_budget=min_budget,
+                    keep_reference=config.reward.estimator == "logprob")
+  if config.rollout.engine == "vllm":
+    directory = checkpoint_dir(workdir)
+    save_hf(learner.model, directory)
+    eos_ids, pad_id = special_ids(tokenizer)
+    policy = ChatPolicy(
+        VLLMEngine(directory, eos_ids, pad_id, tuple(config.rollout.buckets),
+                   **dict(config.rollout.get("vllm", {}))),
+        tokenizer, config.rollout.max_prompt_tokens)
+  else:
+    policy = jax_policy(config, learner.model, tokenizer, mesh, constraint)
+  return GRPOStep(learner, policy, rollout_settings(config), constraint)
+
+
+def _is_abstract(model: Qwen3) -> bool:
+  return any(isinstance(x, jax.ShapeDtypeStruct)
+             for x in jax.tree.leaves(nnx.state(model)))
 
 
 def _check_buckets(c) -> None:
@@ -297,49 +394,11 @@ class Trainer:
           f"rollout.max_prompt_tokens + max_new_tokens = {needed} exceeds the "
           f"policy's max_position_embeddings "
           f"{model.config.max_position_embeddings}")
-    rl = config.rl
     self.group = config.rollout.num_rollouts
-    # Grammar-constrained rollouts: every response is valid DSL, and the
-    # learner takes its log-probs under the same mask.
-    self.constraint = (TokenConstraint.from_regex(response_regex(), tokenizer)
-                       if config.rollout.constrained_dsl else None)
-    min_budget = None
-    if self.constraint is not None:
-      # The sampler's own device copy where it decodes on the whole mesh
-      # (`TokenConstraint.device_table`); never `next_state`, which only
-      # the sampler reads (on a CPU mesh it decodes on one device, and a
-      # copy replicated over the mesh would be 40 MB per device).
-      min_budget = self.constraint.device_table(
-          "min_budget", model.config.vocab_size,
-          NamedSharding(self.mesh, P()))
-    self.learner = Learner(model, TrainStepConfig(
-        loss=grpo_loss_config(rl),
-        optimizer=OptimizerConfig(
-            learning_rate=rl.learning_rate, warmup_steps=rl.warmup_steps,
-            weight_decay=rl.weight_decay, grad_clip_norm=rl.grad_clip_norm),
-        micro_batches=rl.micro_batches,
-        temperature=config.rollout.temperature,
-        logprob_chunk=rl.logprob_chunk, share_prompts=rl.share_prompts,
-        constraint_eos_id=(None if self.constraint is None
-                           else self.constraint.eos_id)),
-                           self.mesh, min_budget=min_budget,
-                           keep_reference=(config.reward.estimator == "logprob"))
-    buckets = tuple(config.rollout.buckets)
-    if config.rollout.engine == "vllm":
-      directory = checkpoint_dir(workdir)
-      save_hf(self.learner.model, directory)
-      eos_ids, pad_id = special_ids(tokenizer)
-      self.policy = ChatPolicy(
-          VLLMEngine(directory, eos_ids, pad_id, buckets,
-                     **dict(config.rollout.get("vllm", {}))),
-          tokenizer, config.rollout.max_prompt_tokens)
-    else:
-      self.policy = ChatPolicy.jax(self.learner.model, tokenizer,
-                                   config.rollout.max_prompt_tokens, buckets,
-                                   self.mesh, constraint=self.constraint,
-                                   max_rows_per_wave=(
-                                       config.rollout.max_rows_per_wave))
-    self.total_steps = rl.max_steps or self.curriculum.planned_steps
+    self.grpo = grpo_step(config, model, tokenizer, self.mesh, workdir)
+    self.learner, self.policy = self.grpo.learner, self.grpo.policy
+    self.constraint = self.grpo.constraint
+    self.total_steps = config.rl.max_steps or self.curriculum.planned_steps
     self.checkpointer = Checkpointer.for_workdir(workdir, config.checkpoint)
     self.key = jax.random.key(config.seed)
     self.loop = {"step": 0, "snapshot_version": 0, "snapshot_epoch": 0}
@@ -363,7 +422,9 @@ class Trainer:
       reference = self.learner.reference_model
       profile_lm = PolicyProfileLM(
           ChatPolicy.jax(reference, tokenizer,
-                         config.rollout.max_prompt_tokens, buckets, self.mesh),
+                         config.rollout.max_prompt_tokens,
+                         tuple(config.rollout.buckets), self.mesh,
+                         decode_devices=config.rollout.decode_devices),
           lambda: reference, reward_config.profile_max_new_tokens,
           config.rl.logprob_chunk)
     self.reward = RewardComputer(self.encoder, reward_config, profile_lm)
@@ -444,7 +505,6 @@ class Trainer:
       self.loop["snapshot_version"] += 1
       self.loop["snapshot_epoch"] = epoch
       self.snapshots = self._snapshots(self.loop["snapshot_version"])
-    start = time.perf_counter()
     # An asynchronous checkpoint save that finished since the last step
     # left its host copies' blocks in the heap (`Checkpointer.wait`).
     release_free_heap()
@@ -454,79 +514,18 @@ class Trainer:
     prompts = [self.policy.encode(policy_messages(e.bank, e.session,
                                                   self.encoder, top_k))
                for e in episodes]
-    rows = [p for p in prompts for _ in range(self.group)]
     self.key, key = jax.random.split(self.key)
-    rollout = self.config.rollout
-    out = self.policy.generate(rows, key, rollout.temperature, rollout.top_p,
-                               rollout.max_new_tokens)
-    sampler_gap = None
-    if isinstance(self.policy.engine, VLLMEngine) and (
-        self.config.rl.old_logprobs == "sampler"):
-      # The learner's old log-probs are its own, not vLLM's ("learner":
-      # the train step takes them from its own forward instead, and logs
-      # vLLM's gap to them).
-      old, sampler_gap = recompute_logprobs(self.learner.model, out,
-                                            rollout.temperature,
-                                            self.config.rl.logprob_chunk)
-      out = dataclasses.replace(out, logprobs=old)
-    sample_s = time.perf_counter() - start
-    completions = [self.policy.completion_tokens(out, i)
-                   for i in range(len(rows))]
-    texts = [self.policy.decode(c) for c in completions]
-    start = time.perf_counter()
-    failures_before = sum(self.qa.failures.values())
-    edits: collections.Counter[str] = collections.Counter()
-    _, terms = score_rollouts(episodes, texts, self.group, self.encoder,
-                              self.config.memory, self.qa, self.reward,
-                              self.editors, edits)
-    reward_s = time.perf_counter() - start
-    self._check_qa_failures(step + 1, episodes, terms, failures_before)
-    rewards = np.array([t.reward for t in terms])
-    # A NaN / inf reward (e.g. from a QA score) makes its rollout invalid:
-    # counted and logged, and the run goes on.
-    finite = np.isfinite(rewards)
-    if not finite.all():
-      logging.warning("step %d: %d non-finite rewards, scored as invalid "
-                      "rollouts", step + 1, int((~finite).sum()))
-    rewards = np.where(finite, rewards, 0.0)
-    valid = np.array([t.valid for t in terms]) & finite
-    advantages = group_advantages(rewards, valid,
-                                  self.group)
-    width = out.tokens.shape[1]
-    weights = np.stack([attribution_weights(t, self.policy.decode, c, width,
-                                            self.policy.decode_each)
-                        for t, c in zip(terms, completions)])
-    if isinstance(self.policy.engine, Sampler):
-      if self.config.rollout.release_programs_each_step:
-        self.policy.engine.release_programs()
-      else:
-        self.policy.engine.release_caches()
-      self.policy.engine.release_weights()
-    metrics = self.learner.step(rollout_batch(out, advantages, weights,
-                                              self.constraint))
-    self.policy.set_model(self.learner.model)
-    if isinstance(self.policy.engine, VLLMEngine):
-      metrics["vllm_weight_push"] = self.policy.engine.last_push
-    if sampler_gap is not None:
-      metrics["sampler_trainer_logprob_gap"] = sampler_gap
-    metrics.update(_mean_terms(terms))
+    result = self.grpo(prompts, key, self.session_reward(episodes))
+    metrics = result.metrics
     metrics.update(
         epoch=epoch, snapshot_version=self.loop["snapshot_version"],
-        reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
-        # Within-group spread: what GRPO's advantages are made of.
-        reward_group_std=float(rewards.reshape(-1, self.group).std(1).mean()),
-        validity_rate=float(valid.mean()),
-        nonfinite_rewards=int((~finite).sum()),
-        response_tokens_mean=float(np.mean(out.lengths)),
-        qa_failures=sum(self.qa.failures.values()) - failures_before,
-        **{key: edits[key] for key in EDIT_COUNTERS},
-        sample_s=sample_s, reward_s=reward_s,
         sessions=[f"{self.dialogues[r.dialogue].dialogue_id}/{r.session}"
                   for r in refs])
+    terms, texts = result.scores.details, result.rollouts.texts
     self.rollout_records = [] if not self.config.rl.log_rollouts else [
         {"session": metrics["sessions"][i // self.group],
          "session_id": episodes[i // self.group].session.session_id,
-         "rollout": i % self.group, "advantage": float(advantages[i]),
+         "rollout": i % self.group, "advantage": float(result.advantages[i]),
          **t.scalars(),
          "semantic_skip_statement_cosines": (
              t.semantic_skip_statement_cosines),
@@ -553,6 +552,39 @@ class Trainer:
           f"{qa.answer.base_url}, judge {qa.judge_endpoint.base_url})",
           "no update made from them: rerun to resume from the last "
           "checkpoint")
+
+  def session_reward(self, episodes: list[Episode]) -> RewardFn:
+    """The step's reward for `group` rollouts of each of `episodes`: each
+    response parsed, applied to a copy of the session's snapshot and
+    scored (`score_rollouts`: CMI terms + QA reward), with the attribution
+    token weights; its metrics are the mean reward terms (`reward/*`), the
+    QA endpoint failures and the model edits of the step. `Scores.details`:
+    each rollout's `RewardTerms`."""
+
+    def reward(rollouts: Rollouts) -> Scores:
+      failures_before = sum(self.qa.failures.values())
+      edits: collections.Counter[str] = collections.Counter()
+      _, terms = score_rollouts(episodes, rollouts.texts, rollouts.group,
+                                self.encoder, self.config.memory, self.qa,
+                                self.reward, self.editors, edits)
+      # Before the update: a step whose QA calls failed past the accepted
+      # rate is not trained on.
+      self._check_qa_failures(self.loop["step"] + 1, episodes, terms,
+                              failures_before)
+      width = rollouts.output.tokens.shape[1]
+      weights = np.stack([
+          attribution_weights(t, self.policy.decode, c, width,
+                              self.policy.decode_each)
+          for t, c in zip(terms, rollouts.completions)])
+      return Scores(
+          np.array([t.reward for t in terms]),
+          np.array([t.valid for t in terms]), weights,
+          {**_mean_terms(terms),
+           "qa_failures": sum(self.qa.failures.values()) - failures_before,
+           **{key: edits[key] for key in EDIT_COUNTERS}},
+          terms)
+
+    return reward
 
   def save_checkpoint(self) -> None:
     step = self.loop["step"]
@@ -584,8 +616,8 @@ class Trainer:
                                                      writer))
       stack.callback(self.checkpointer.wait)
       stop = stop or stack.enter_context(StopSignals())
-      if isinstance(self.policy.engine, Sampler):
-        self.policy.engine.release_programs()
+      # The start-up's programs (one prompt at a time) are not the step's.
+      self.policy.engine.release(programs=True)
       # Printed once the writer is open (tensorboardX's import takes
       # seconds): a signal after this line stops the run at the end of
       # the step it lands in (tools/rehearse.py relies on it).

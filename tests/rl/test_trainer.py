@@ -25,7 +25,7 @@ from cmimem_jax.rl import (Checkpointer, GRPOLossConfig, Learner,
                            TrainStepConfig, accumulated_grads,
                            group_advantages, read_metrics, rollout_batch,
                            shared_prompt_group, supervised_batch,
-                           token_logprobs, trim_common_padding)
+                           token_logprobs)
 from cmimem_jax.rl.trainer import step_compiler_options
 from cmimem_jax.sampling import Sampler, SamplingConfig
 
@@ -154,36 +154,6 @@ def test_frozen_parameters_get_no_gradient_and_no_weight_gradient_work():
     else:
       assert not np.asarray(grad).any(), name
   assert dots[1] < dots[0], dots
-
-
-def test_trimming_common_padding_leaves_the_step_unchanged():
-  """A batch with 9 extra padding columns on the left: cut to a multiple
-  of 4, the update and its metrics equal the uncut one's."""
-  batch = synthetic_batch(3)
-  padded = {k: (np.pad(v, ((0, 0), (9, 0))) if v.ndim == 2 else v)
-            for k, v in batch.items()}
-  trimmed = trim_common_padding(padded, 4)
-  lead = 9 + int(np.flatnonzero(batch["mask"].any(0))[0])
-  assert trimmed["tokens"].shape[1] == padded["tokens"].shape[1] - (
-      lead - lead % 4)
-  assert trimmed["mask"].sum() == batch["mask"].sum()
-  np.testing.assert_array_equal(trimmed["advantages"], batch["advantages"])
-  exact = trim_common_padding(padded, 0)  # Every common padding column.
-  assert exact["mask"].shape[1] == padded["mask"].shape[1] - lead
-  assert exact["mask"][:, 0].any() and exact["mask"].sum() == (
-      batch["mask"].sum())
-  assert trim_common_padding(batch, 64) is batch  # Less than a multiple.
-  results = []
-  for rows in (padded, trimmed):
-    learner = Learner(tiny_model(), config(), one_device_mesh())
-    results.append((learner.step(rows), jax.device_get(learner.params)))
-  (full, full_params), (cut, cut_params) = results
-  for key in ("loss", "pg_loss", "kl", "grad_norm", "entropy"):
-    np.testing.assert_allclose(cut[key], full[key], rtol=1e-5, atol=1e-7)
-  # As across device counts: Adam's first step normalises each gradient
-  # entry, so summation-order noise on near-zero entries shows at ~1e-6.
-  for a, b in zip(jax.tree.leaves(full_params), jax.tree.leaves(cut_params)):
-    np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def shared_prompt_batch(step: int, prompts: int = 2, group: int = 4
@@ -768,3 +738,75 @@ def test_the_heap_is_trimmed_once_per_compiled_step(monkeypatch):
   learner.step(synthetic_batch(0))
   learner.step(synthetic_batch(1))
   assert len(trims) == 1
+
+
+class _DigitsTokenizer:
+  """Token ids as text (`"5 17"`): what a `ChatPolicy` needs of a
+  tokenizer when prompts are already token ids."""
+  eos_token_id, pad_token_id = None, 0
+
+  def decode(self, tokens, skip_special_tokens=True):
+    del skip_special_tokens
+    return " ".join(str(t) for t in tokens)
+
+
+@pytest.mark.parametrize("learner_logprobs", [True, False])
+def test_grpo_step_scores_with_the_reward_it_is_given(learner_logprobs):
+  """`rl.GRPOStep`: G rollouts per prompt go to the reward passed in
+  (texts and tokens), its rewards / gate / token weights / metrics /
+  details reach the update and the result; a NaN reward is an invalid
+  row, counted; the engine's KV buffers are freed before scoring, its
+  weight copy (not its programs) before the update, and it gets the new
+  weights after it. An engine whose log-probs are not
+  the learner's has them recomputed: the JAX sampler's equal the
+  learner's (gap ~0)."""
+  from cmimem_jax.rl import GRPOStep, RolloutSettings, Scores
+  from cmimem_jax.sampling import ChatPolicy
+  learner = Learner(tiny_model(), config(), one_device_mesh())
+  sampler = Sampler(learner.model, SamplingConfig(eos_ids=()), buckets=(8,))
+  sampler.reports_learner_logprobs = learner_logprobs
+  released, pushed = [], []
+  release, set_model = sampler.release, sampler.set_model
+  sampler.release = lambda **kwargs: (released.append(kwargs),
+                                      release(**kwargs))
+  sampler.set_model = lambda model: (pushed.append(model), set_model(model))
+  policy = ChatPolicy(sampler, _DigitsTokenizer(), 8)
+  step = GRPOStep(learner, policy, RolloutSettings(
+      group=4, temperature=0.8, top_p=1.0, max_new_tokens=5,
+      logprob_chunk=4))
+  seen, batches = [], []
+  learner_step = learner.step
+  learner.step = lambda batch: (batches.append(batch), learner_step(batch))[1]
+
+  def reward(rollouts):
+    seen.append(rollouts)
+    rewards = np.array([len(set(c)) for c in rollouts.completions], float)
+    rewards[1] = np.nan
+    weights = np.full((8, 5), 0.5, np.float32)
+    return Scores(rewards, np.arange(8) != 6, weights, {"reward/distinct":
+                                                        rewards.mean()}, "d")
+
+  before = jax.device_get(learner.params)
+  result = step([[5, 17, 33], [44, 8]], jax.random.key(0), reward)
+  (rollouts,) = seen
+  assert rollouts.group == 4 and len(rollouts.texts) == 8
+  assert rollouts.texts[0] == " ".join(map(str, rollouts.completions[0]))
+  np.testing.assert_array_equal(rollouts.output.prompt_tokens[3, -3:],
+                                [5, 17, 33])
+  metrics = result.metrics
+  assert metrics["nonfinite_rewards"] == 1
+  assert metrics["validity_rate"] == 6 / 8
+  assert result.valid.tolist() == [True, False] + [True] * 4 + [False, True]
+  assert np.isnan(metrics["reward/distinct"]) and result.scores.details == "d"
+  assert result.rewards[1] == 0.0  # The NaN, replaced (and gated).
+  (batch,) = batches
+  np.testing.assert_array_equal(batch["advantages"], result.advantages)
+  assert set(np.unique(batch["token_weights"])) <= {0.0, 0.5}
+  assert released == [{}, {"programs": False, "weights": True}]
+  assert len(pushed) == 1 and any(
+      not np.array_equal(a, b) for a, b in zip(
+          jax.tree.leaves(before), jax.tree.leaves(learner.params)))
+  if learner_logprobs:
+    assert "sampler_trainer_logprob_gap" not in metrics
+  else:
+    assert metrics["sampler_trainer_logprob_gap"] < 1e-5

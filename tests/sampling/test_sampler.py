@@ -137,6 +137,50 @@ def test_a_sampler_over_several_cpu_devices_decodes_on_one():
   np.testing.assert_array_equal(again.tokens, want.tokens)
 
 
+@pytest.mark.parametrize("prompts", [4, 3])
+def test_mesh_decoding_splits_the_rows_and_caches_and_samples_as_one_device(
+    prompts):
+  """decode_devices="mesh" over data:2 x fsdp:4 with the learner's sharded
+  weights (as a trainer hands them over): every KV cache leaf is split
+  over the 8 batch shards (each device holds 1/8 of its bytes), the
+  weights are the learner's own arrays (no copy), and the tokens and
+  log-probs equal one-device decoding of the same rows and key. 3
+  prompts: padded to 8 on the mesh, the padding dropped."""
+  from cmimem_jax.parallel import BATCH_AXES, make_mesh
+  from cmimem_jax.rl import GRPOLossConfig, Learner, TrainStepConfig
+  model = Qwen3(preset("tiny", vocab_size=64, max_position_embeddings=256),
+                rngs=nnx.Rngs(0))
+  config = SamplingConfig(temperature=1.0, top_p=0.9, max_new_tokens=5)
+  rows = [p for p in (PROMPTS + [[7, 7]])[:prompts] for _ in range(4)]
+  want = Sampler(model, config, buckets=(8,))(rows, jax.random.key(3))
+  mesh = make_mesh("data:2,fsdp:4")
+  sharded = Learner(model, TrainStepConfig(loss=GRPOLossConfig(kl_beta=0.0)),
+                    mesh).model
+  sampler = Sampler(sharded, config, buckets=(8,), mesh=mesh,
+                    decode_devices="mesh")
+  assert sampler.model is sharded and sampler.row_shards == 8
+  got = sampler(rows, jax.random.key(3))
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.lengths, want.lengths)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+  np.testing.assert_array_equal(got.prompt_tokens, want.prompt_tokens)
+  (shape, caches), = sampler._caches.items()
+  assert shape == (8, 8, 32, 5)  # 8 prompts (padded), 32 rows.
+  # Split where they are allocated, where the program takes them (donated,
+  # updated in place) and as it hands them back for the next call.
+  fresh = [sampler._zeros(8, 8), sampler._zeros(32, 5)]
+  (arguments, _) = sampler.lower(len(rows), 8, 5, group=4).compile(
+  ).input_shardings
+  assert all(BATCH_AXES in s.spec for s in jax.tree.leaves(arguments[3:5]))
+  for leaf in jax.tree.leaves((caches, fresh)):
+    assert BATCH_AXES in leaf.sharding.spec
+    assert len(leaf.sharding.device_set) == 8
+    assert {s.data.nbytes for s in leaf.addressable_shards} == {
+        leaf.nbytes // 8}
+  with pytest.raises(ValueError, match="decode_devices"):
+    Sampler(model, config, mesh=mesh, decode_devices="all")
+
+
 def test_fixed_key_is_reproducible_and_keys_differ(model):
   sampler = Sampler(model, SamplingConfig(temperature=1.0, top_p=1.0,
                                           max_new_tokens=8), buckets=(8,))

@@ -17,6 +17,7 @@ from cmimem_jax.cmi.reward import NO_EXPERT_RESPONSE
 from cmimem_jax.config import CallsFailed, check_failures
 from cmimem_jax.memory import MemoryBank
 from cmimem_jax.rl import read_metrics
+from cmimem_jax.sampling import EngineHooks
 from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
 from cmimem_jax.task.curriculum import SessionRef
 from cmimem_jax.task.episode import policy_messages
@@ -211,7 +212,7 @@ def test_the_command_exits_non_zero_on_a_dead_teacher_and_resumes(tmp_path):
   assert counts["built"] == counts["sessions"] - counts["dialogues"]
 
 
-class CopyingEngine:
+class CopyingEngine(EngineHooks):
   """Every rollout writes the marker again: a cross-duplicate exactly when
   M_{t-1} (the expert state) holds it."""
 
