@@ -361,12 +361,12 @@ class Trainer:
     validate_config(config, required=("dataset", "encoder", "memory",
                                       "reward", "policy", "rollout", "rl",
                                       "qa"))
+    if config.rollout.engine == "vllm":
+      import_vllm()  # Fails fast, with the install hint, where it is absent.
     # The Semantic SKIP thresholds of this encoder (refused before anything
     # loads when it has none: tools/skip_calibration.py first).
     reward_config = calibrated(RewardConfig.from_config(config.reward),
                                config.encoder)
-    if config.rollout.engine == "vllm":
-      import_vllm()  # Fails fast, with the install hint, where it is absent.
     # Freed step / decode buffers leave the resident set at once (a JAX
     # CPU device's memory is this process's heap).
     return_large_blocks()
