@@ -274,10 +274,15 @@ class ScoresNaNOnce:
   def __init__(self, qa):
     self.qa, self.failures, self.calls = qa, qa.failures, 0
 
-  def __call__(self, bank, episode):
+  def submit(self, bank, episode):
     self.calls += 1
-    score, counts = self.qa(bank, episode)
-    return (float("nan") if self.calls == 1 else score), counts
+    pending, first = self.qa.submit(bank, episode), self.calls == 1
+
+    class Pending:
+      def wait(self):
+        score, counts = pending.wait()
+        return (float("nan") if first else score), counts
+    return Pending()
 
 
 def test_a_non_finite_reward_is_an_invalid_rollout_not_a_crash(tmp_path):
@@ -297,6 +302,7 @@ def test_vllm_engine_receives_the_restored_weights(tmp_path, monkeypatch):
   """`rollout.engine=vllm` (a stand-in engine here): after a resume the
   engine generates from the checkpoint's weights, not the initial ones."""
   import jax
+  from cmimem_jax.rl import step as step_module
   from cmimem_jax.sampling import load_tokenizer
   from cmimem_jax.task import loop as loop_module
 
@@ -318,8 +324,8 @@ def test_vllm_engine_receives_the_restored_weights(tmp_path, monkeypatch):
   monkeypatch.setattr(loop_module, "import_vllm", lambda: None)
   monkeypatch.setattr(loop_module, "VLLMEngine", StandInVLLM)
   recomputed = []
-  recompute = loop_module.recompute_logprobs
-  monkeypatch.setattr(loop_module, "recompute_logprobs", lambda *args: (
+  recompute = step_module.recompute_logprobs
+  monkeypatch.setattr(step_module, "recompute_logprobs", lambda *args: (
       recomputed.append(1), recompute(*args))[1])
   overrides = {"rl.max_steps": 1, "rollout.engine": "vllm"}
   first = Trainer(tiny_config(**overrides), str(tmp_path))

@@ -605,17 +605,23 @@ def shared_train_cost(c, rows: int, length: int, completion: int,
   """`step_cost`'s "train" when each prompt runs once for its `group`
   rows (`Qwen3.shared_prompt_hidden_states`): rows / group prompts of
   `length - completion` tokens (causal), and the rows' `completion`
-  tokens each over its prompt and itself."""
+  tokens each over its prompt and itself. On the splash kernel the
+  prompt and each row are padded to its block (`grouped_rows_layout`):
+  the layers' matmuls run over the padded columns too."""
   if group == 1:
     return step_cost(c, "train", rows, length, completion, passes, 1)
+  from cmimem_jax.models.attention import grouped_rows_layout, resolve_impl
   q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
   hid = c.hidden_size
   layer = 2 * (hid * q + 2 * hid * kv + q * hid + 3 * hid * c.intermediate_size)
   pair = 4 * c.num_attention_heads * c.head_dim  # Per (query, key).
   prompt, prompts = length - completion, rows / group
+  prompt_columns, row_columns = prompt, completion
+  if resolve_impl(c.attention_impl, completion, c.compute_dtype) == "splash":
+    prompt_columns, row_columns = grouped_rows_layout(prompt, completion)
   flops = passes * c.num_hidden_layers * (
-      prompts * (layer * prompt + pair * prompt * prompt / 2)
-      + rows * (layer * completion
+      prompts * (layer * prompt_columns + pair * prompt * prompt / 2)
+      + rows * (layer * row_columns
                 + pair * completion * (prompt + completion / 2)))
   flops += (passes - 1) * rows * completion * 2 * hid * c.vocab_size
   return flops, step_cost(c, "train", rows, length, completion, passes, 1)[1]
@@ -994,18 +1000,18 @@ def main(argv=None) -> list[dict]:
         prompt_group = (step.update_prompt_group(
             rows_per_chip * step.learner.shards
             * step.learner.config.micro_batches) if name == "train" else 1)
-        cost, parts = program_cost(costed, name, rows_per_chip, tokens,
-                                   completion, passes, group, cmi_shape,
-                                   prompt_group)
         if name == "train":
           train_prompt_group = prompt_group
-        if chip is not None:
-          seconds.update({part: roofline(c, chip)[0]
-                          for part, c in parts.items()})
         # The mesh in context: the splash kernel shards itself over it, and
         # "auto" attention resolves for its platform (the encoder: its one
         # device, as the trainer runs it).
         with jax.set_mesh(first_device(mesh) if name == "encoder" else mesh):
+          cost, parts = program_cost(costed, name, rows_per_chip, tokens,
+                                     completion, passes, group, cmi_shape,
+                                     prompt_group)
+          if chip is not None:
+            seconds.update({part: roofline(c, chip)[0]
+                            for part, c in parts.items()})
           lowered = lower_program(step, name, rows_per_chip, length,
                                   completion, cmi_shape, encoder)
           impl = resolve_impl(costed.attention_impl,
