@@ -167,5 +167,10 @@ def test_plan_reads_a_checkpoints_architecture_from_a_bucket(gcs, tmp_path):
                "--programs=train", "--length=64", "--completion=8"]
   (row,) = plan.main([*arguments, f"--checkpoint={remote}"])
   (want,) = plan.main([*arguments, f"--checkpoint={local}"])
+  # Tokenizers are read from local folders only: the bucket's run costs
+  # with the stand-in (same EOS id, so the same shapes and programs).
+  assert row.pop("stand_ins") == {
+      "tokenizer": "stand-in: the architecture's EOS id, pad 0"}
+  assert want.pop("stand_ins") == {"tokenizer": "the config's"}
   del row["compile_s"], want["compile_s"]
   assert row == want and row["layers"] == 2

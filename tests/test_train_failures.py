@@ -21,6 +21,7 @@ from cmimem_jax.config import CallsFailed
 from cmimem_jax.rl import read_metrics
 from cmimem_jax.rl.checkpoint import CheckpointNotSaved
 from cmimem_jax.task.loop import Trainer
+from cmimem_jax.task.qa_reward import PendingQA
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "rl"))
 from test_checkpoint_failures import (_fail_writes_of,  # noqa: E402
@@ -47,10 +48,13 @@ class QACallsFail:
   def __init__(self, qa):
     self.failures = qa.failures
 
-  def __call__(self, bank, episode):
+  def submit(self, bank, episode):
     del bank
     self.failures["answer"] += len(episode.questions)
-    return 0.0, {}
+    return PendingQA(self, {})
+
+  def __call__(self, bank, episode):
+    return self.submit(bank, episode).wait()
 
 
 @pytest.mark.slow
