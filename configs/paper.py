@@ -147,6 +147,11 @@ def training() -> ml_collections.ConfigDict:
       # for SmolLM2-135M, while the update is the run's peak of host
       # memory; costs a reload per step, a compile with that cache off).
       "release_programs_each_step": False,
+      # Each decoding wave's responses are applied and their QA calls sent
+      # as soon as it is decoded, while the next wave decodes (the same
+      # samples and rewards as scoring after the last wave: False, the
+      # tests' oracle).
+      "score_beside_decoding": True,
       # Existing entries per type shown to the policy (Alg. 1 TopK). 0 hides
       # the bank from the policy; it is not the "RM" ablation of Table 3
       # (that is `memory.source_chunks=False`).

@@ -32,6 +32,12 @@ class Encoder(Protocol):
   (an empty text may map to the zero vector). `kind="query"` lets
   instruction-tuned encoders (Qwen3-Embedding) add their query prefix;
   symmetric encoders ignore it.
+
+  An encoder may say whether `encode` runs programs on the accelerator
+  (`on_device`: the in-process Flax encoders) or on the host (hashing,
+  an endpoint); a training step orders its scoring by it
+  (`rl.IncrementalReward.needs_device`), taking an encoder that does
+  not say as one on the device.
   """
 
   dim: int
@@ -52,6 +58,8 @@ class HashingEncoder:
   runs that need no neural model. Texts sharing words get positive cosine,
   which is enough to exercise retrieval and the CMI reward end to end.
   """
+
+  on_device = False  # `Encoder`: pure host work.
 
   def __init__(self, dim: int = 256):
     if dim <= 0:

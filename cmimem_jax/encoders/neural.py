@@ -64,6 +64,8 @@ class TransformerEncoder:
     padding_side: "left" or "right".
   """
 
+  on_device = True  # `Encoder`: its programs run on JAX's default device.
+
   def __init__(self, model: nnx.Module,
                pooled: Callable[[nnx.Module, jax.Array, jax.Array], jax.Array],
                tokenizer, dim: int, max_length: int, batch_size: int = 32,

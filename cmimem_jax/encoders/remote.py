@@ -17,6 +17,8 @@ class OpenAIEncoder:
   vLLM; "": raw text), rows are re-normalised, the width is checked against
   `dim`, and a failed request raises (after the client's retries)."""
 
+  on_device = False  # `Encoder`: the host only waits on the endpoint.
+
   def __init__(self, endpoint: EndpointConfig, dim: int,
                query_instruction: str = "", batch_size: int = 64):
     self.client = OpenAIClient(endpoint)

@@ -17,18 +17,21 @@ from cmimem_jax.rl.losses import (AGGREGATIONS, OLD_LOGPROBS, GRPOLossConfig,
                                   k3_kl, sft_loss)
 from cmimem_jax.rl.metrics import MetricsWriter, read_metrics, read_rollouts
 from cmimem_jax.rl.signals import StopSignals
-from cmimem_jax.rl.step import (GRPOStep, RewardFn, Rollouts, RolloutSettings,
-                                Scores, StepResult)
+from cmimem_jax.rl.step import (GRPOStep, IncrementalReward, RewardFn,
+                                Rollouts, RolloutSettings, Scores, StepResult,
+                                WholeStepReward)
 from cmimem_jax.rl.trainer import (Learner, OptimizerConfig, TrainStepConfig,
                                    accumulated_grads, make_optimizer)
 
 __all__ = [
     "AGGREGATIONS", "OLD_LOGPROBS", "aggregation_scale", "Checkpointer",
-    "GRPOLossConfig", "GRPOStep", "Learner", "RewardFn", "Rollouts",
+    "GRPOLossConfig", "GRPOStep", "IncrementalReward", "Learner", "RewardFn",
+    "Rollouts",
     "RolloutSettings", "Scores", "StepResult", "MetricsWriter", "Objective",
     "OptimizerConfig", "Restored", "SFTLossConfig", "StopSignals", "TrainStepConfig",
     "accumulated_grads", "group_advantages", "grpo_loss", "k3_kl",
     "load_model_weights", "make_optimizer", "mean_continuation_logprobs",
     "read_metrics", "read_rollouts", "recompute_logprobs", "rollout_batch",
     "shared_prompt_group", "sft_loss", "supervised_batch", "token_logprobs",
+    "WholeStepReward",
 ]

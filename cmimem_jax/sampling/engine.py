@@ -9,13 +9,14 @@ everything downstream — GRPO batches, decoding, the server — is the same
 whichever engine produced it.
 
 A training step (`rl.step.GRPOStep`) drives any engine through the hooks
-below (`reports_learner_logprobs`, `release`, `update_metrics`; `lower`
-where the engine's program is JAX's), never by its type.
+below (`generate_waves`, `reports_learner_logprobs`, `release`,
+`update_metrics`; `lower` where the engine's program is JAX's), never by
+its type.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -38,6 +39,19 @@ class GenerationEngine(Protocol):
     row's own token limit (<= `max_new_tokens`, the output width).
     `constrained=False`: free text even where the engine decodes under a
     grammar (the policy's Listing 5 / 8 / 9 calls are not DSL)."""
+    ...
+
+  def generate_waves(self, prompts: Sequence[Sequence[int]], key: jax.Array,
+                     temperature: float | Sequence[float],
+                     top_p: float | Sequence[float], max_new_tokens: int,
+                     ahead: bool = True) -> Iterator[SampleOutput]:
+    """`generate`'s output for the same arguments, one decoding wave (a
+    run of consecutive rows) at a time, each as soon as it is decoded:
+    a training step scores wave w while wave w + 1 decodes. `ahead`: the
+    next wave may be decoding while the caller holds this one (False: it
+    starts when the caller asks for it, so the caller's own use of the
+    devices between waves never waits behind a wave). An engine that
+    decodes all rows at once yields one wave."""
     ...
 
   def set_model(self, model: Qwen3) -> None:
@@ -71,11 +85,21 @@ class GenerationEngine(Protocol):
 
 
 class EngineHooks:
-  """The training-step hooks of `GenerationEngine` for an engine with
-  nothing to free or report, whose log-probs are the learner's (a base
-  for stand-in engines; `Sampler` and `VLLMEngine` define their own)."""
+  """The training-step hooks of `GenerationEngine` for an engine that
+  decodes a call in one wave, has nothing to free or report, and whose
+  log-probs are the learner's (a base for stand-in engines and
+  `VLLMEngine`, which overrides what differs; `Sampler` defines its
+  own)."""
 
   reports_learner_logprobs = True
+
+  def generate_waves(self, prompts: Sequence[Sequence[int]], key: jax.Array,
+                     temperature: float | Sequence[float],
+                     top_p: float | Sequence[float], max_new_tokens: int,
+                     ahead: bool = True) -> Iterator[SampleOutput]:
+    """One wave: the whole `generate` call."""
+    del ahead
+    yield self.generate(prompts, key, temperature, top_p, max_new_tokens)
 
   def release(self, programs: bool = False, weights: bool = False) -> None:
     del programs, weights

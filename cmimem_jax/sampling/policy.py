@@ -5,7 +5,7 @@ interface (`chat_many`) that evaluation and the server use."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -237,6 +237,15 @@ class ChatPolicy:
     return self.engine.generate(prompts, key, temperature, top_p,
                                 max_new_tokens, row_budgets, constrained,
                                 row_stops=row_stops)
+
+  def generate_waves(self, prompts: Sequence[list[int]], key: jax.Array,
+                     temperature: float | Sequence[float],
+                     top_p: float | Sequence[float], max_new_tokens: int,
+                     ahead: bool = True) -> Iterator[SampleOutput]:
+    """`GenerationEngine.generate_waves` on this policy's engine: `generate`'s
+    output one decoding wave at a time, as each is decoded."""
+    return self.engine.generate_waves(prompts, key, temperature, top_p,
+                                      max_new_tokens, ahead=ahead)
 
   def stop_tokens(self, text: str) -> list[int]:
     """The token ids a stop string is written with on its own (a model

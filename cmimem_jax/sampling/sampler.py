@@ -17,7 +17,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -610,6 +610,25 @@ class Sampler:
     (`wave_rows` with this sampler's shards and wave limit)."""
     return wave_rows(rows, group, self.row_shards, self.max_rows_per_wave)
 
+  def generate_waves(self, prompts: Sequence[Sequence[int]], key: jax.Array,
+                     temperature: float | Sequence[float],
+                     top_p: float | Sequence[float], max_new_tokens: int,
+                     row_budgets: Sequence[int] | None = None,
+                     constrained: bool = True,
+                     row_stops: Sequence[Sequence[Sequence[int]]] | None = None,
+                     ahead: bool = True) -> Iterator[SampleOutput]:
+    """`GenerationEngine.generate_waves`: `generate`'s output one decoding
+    wave at a time, in row order (the same waves and keys: concatenated,
+    the waves are `generate`'s output). With `ahead`, wave w + 1's program
+    is dispatched (JAX dispatches asynchronously) before wave w's outputs
+    are fetched, so the devices decode it while the caller works on wave
+    w; without, wave w + 1 is dispatched when the caller asks for it, so
+    what the caller runs on the devices between waves never queues behind
+    a wave. Arguments are checked before the first wave is asked for."""
+    return self._waves(prompts, key, temperature, top_p, dataclasses.replace(
+        self.config, max_new_tokens=max_new_tokens), row_budgets, constrained,
+                       row_stops, ahead)
+
   def _sample(self, prompts: Sequence[Sequence[int]], key: jax.Array,
               temperature: float | Sequence[float],
               top_p: float | Sequence[float], config: SamplingConfig,
@@ -617,6 +636,20 @@ class Sampler:
               constrained: bool = True,
               row_stops: Sequence[Sequence[Sequence[int]]] | None = None
               ) -> SampleOutput:
+    outs = list(self._waves(prompts, key, temperature, top_p, config,
+                            row_budgets, constrained, row_stops, ahead=True))
+    if len(outs) == 1:
+      return outs[0]
+    return concatenate_outputs(outs)
+
+  def _waves(self, prompts: Sequence[Sequence[int]], key: jax.Array,
+             temperature: float | Sequence[float],
+             top_p: float | Sequence[float], config: SamplingConfig,
+             row_budgets: Sequence[int] | None, constrained: bool,
+             row_stops: Sequence[Sequence[Sequence[int]]] | None,
+             ahead: bool) -> Iterator[SampleOutput]:
+    """Checks the arguments, then returns the iterator over the waves
+    (`generate_waves`)."""
     if self.model is None:
       raise RuntimeError("the sampler's weights were released "
                          "(release_weights): set_model first")
@@ -648,16 +681,27 @@ class Sampler:
     wave = self.wave_rows(rows, group)
     keys = [key] if wave >= rows else jax.random.split(key, -(-rows // wave))
     stops = self._row_stop_tables(rows, row_stops)
-    outs = [self._wave(prompts[start:start + wave], keys[i],
-                       temperature[start:start + wave],
-                       top_p[start:start + wave], budgets[start:start + wave],
-                       config, length, group, constraint,
-                       None if stops is None else stops[start:start + wave])
-            for i, start in enumerate(range(0, rows, wave))]
-    if len(outs) == 1:
-      return outs[0]
-    return SampleOutput(*(np.concatenate([getattr(o, f.name) for o in outs])
-                          for f in dataclasses.fields(SampleOutput)))
+
+    def dispatch(index: int) -> _PendingWave:
+      start = index * wave
+      part = slice(start, start + wave)
+      return self._dispatch_wave(
+          prompts[part], keys[index], temperature[part], top_p[part],
+          budgets[part], config, length, group, constraint,
+          None if stops is None else stops[part])
+
+    def waves() -> Iterator[SampleOutput]:
+      count = len(keys)
+      pending = dispatch(0)
+      for index in range(count):
+        following = (dispatch(index + 1)
+                     if ahead and index + 1 < count else None)
+        yield pending.fetch()
+        if not ahead and index + 1 < count:
+          following = dispatch(index + 1)
+        pending = following
+
+    return waves()
 
   def _row_stop_tables(self, rows: int,
                        row_stops: Sequence[Sequence[Sequence[int]]] | None
@@ -748,15 +792,17 @@ class Sampler:
             "eos_ids": tuple(config.eos_ids), "pad_id": config.pad_id,
             "unrolled": self.unrolled, "split_rows": self.split_rows}
 
-  def _wave(self, prompts: Sequence[Sequence[int]], key: jax.Array,
-            temperature: np.ndarray, top_p: np.ndarray, budgets: np.ndarray,
-            config: SamplingConfig, length: int, group: int,
-            constraint: tuple[jax.Array, ...] | None,
-            row_stops: np.ndarray | None = None) -> SampleOutput:
-    """One compiled generation over `prompts` (groups of `group` identical
-    prompts), left-padded to `length`, under `constraint`'s tables (None:
-    free). With "mesh" the distinct prompts are padded to a multiple of
-    the batch shards (`padded_prompts`)."""
+  def _dispatch_wave(self, prompts: Sequence[Sequence[int]],
+                     key: jax.Array, temperature: np.ndarray,
+                     top_p: np.ndarray, budgets: np.ndarray,
+                     config: SamplingConfig, length: int, group: int,
+                     constraint: tuple[jax.Array, ...] | None,
+                     row_stops: np.ndarray | None = None) -> _PendingWave:
+    """Dispatches one compiled generation over `prompts` (groups of `group`
+    identical prompts), left-padded to `length`, under `constraint`'s
+    tables (None: free), without waiting for it. With "mesh" the distinct
+    prompts are padded to a multiple of the batch shards
+    (`padded_prompts`)."""
     rows = len(prompts)
     distinct = list(prompts[::group])
     extra = self.padded_prompts(len(distinct)) - len(distinct)
@@ -772,7 +818,8 @@ class Sampler:
     shape = (len(tokens), length, len(tokens) * group, config.max_new_tokens)
     # One preallocated pair of caches per shape, donated to the program and
     # handed back, so decoding updates them in place and calls never
-    # reallocate them.
+    # reallocate them (a wave dispatched behind another of its shape takes
+    # that wave's caches as they will be: the same buffers, in order).
     caches = self._caches.pop(shape, None) or tuple(
         self._zeros(*s) for s in (shape[:2], shape[2:]))
     with self._mesh_context():
@@ -788,8 +835,32 @@ class Sampler:
     self._caches[shape] = tuple(caches)
     while len(self._caches) > self.max_cached_shapes:
       self._caches.popitem(last=False)
-    return SampleOutput(np.asarray(out_tokens)[:rows],
-                        np.asarray(out_logprobs)[:rows],
-                        np.asarray(lengths)[:rows],
+    return _PendingWave(out_tokens, out_logprobs, lengths,
                         np.repeat(tokens, group, axis=0)[:rows],
-                        np.repeat(mask, group, axis=0)[:rows])
+                        np.repeat(mask, group, axis=0)[:rows], rows)
+
+
+@dataclasses.dataclass
+class _PendingWave:
+  """A dispatched wave: its device outputs (still computing) and prompt
+  layout; `fetch` waits for them."""
+  tokens: jax.Array
+  logprobs: jax.Array
+  lengths: jax.Array
+  prompt_tokens: np.ndarray
+  prompt_mask: np.ndarray
+  rows: int
+
+  def fetch(self) -> SampleOutput:
+    """The wave's `SampleOutput` on the host (blocks until decoded)."""
+    return SampleOutput(np.asarray(self.tokens)[:self.rows],
+                        np.asarray(self.logprobs)[:self.rows],
+                        np.asarray(self.lengths)[:self.rows],
+                        self.prompt_tokens, self.prompt_mask)
+
+
+def concatenate_outputs(outputs: Sequence[SampleOutput]) -> SampleOutput:
+  """Consecutive waves' outputs as one (rows in order; every wave the same
+  prompt bucket and width)."""
+  return SampleOutput(*(np.concatenate([getattr(o, f.name) for o in outputs])
+                        for f in dataclasses.fields(SampleOutput)))

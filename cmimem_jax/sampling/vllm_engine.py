@@ -25,6 +25,7 @@ from cmimem_jax.caches import cache_dir
 from cmimem_jax.config import MissingDependency
 from cmimem_jax.models.qwen3.model import Qwen3
 from cmimem_jax.models.qwen3.params import hf_tensors, save_hf
+from cmimem_jax.sampling.engine import EngineHooks
 from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
 
 INSTALL_HINT = ("rollout.engine='vllm' needs vLLM, which is not installed "
@@ -50,8 +51,10 @@ def vllm_weights(model: Qwen3) -> Iterator[tuple[str, Any]]:
     yield name, torch.from_numpy(array)
 
 
-class VLLMEngine:
-  """An in-process `vllm.LLM` over an HF checkpoint of the policy.
+class VLLMEngine(EngineHooks):
+  """An in-process `vllm.LLM` over an HF checkpoint of the policy. Its
+  rollouts come in one wave (`EngineHooks.generate_waves`: vLLM schedules
+  its own batches, and `generate` returns when all are done).
 
   Args:
     checkpoint: HF directory vLLM starts from (`save_hf` of the policy).

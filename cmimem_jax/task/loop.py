@@ -58,7 +58,7 @@ from cmimem_jax.parallel import (initialize_distributed, make_mesh,
 from cmimem_jax.models.qwen3 import Qwen3
 from cmimem_jax.rl import (OLD_LOGPROBS, Checkpointer, GRPOLossConfig,
                            GRPOStep, Learner, MetricsWriter, OptimizerConfig,
-                           RewardFn, Rollouts, RolloutSettings, Scores,
+                           Rollouts, RolloutSettings, Scores,
                            StopSignals, TrainStepConfig, load_model_weights,
                            read_metrics)
 from cmimem_jax.rl.checkpoint import metrics_follow_checkpoints
@@ -69,9 +69,9 @@ from cmimem_jax.sampling.vllm_engine import (VLLMEngine, checkpoint_dir,
                                              import_vllm)
 from cmimem_jax.task.curriculum import (Curriculum, SessionRef,
                                         candidate_fragments, difficulty)
-from cmimem_jax.task.episode import (Episode, attribution_weights,
-                                     policy_messages, score_rollouts,
-                                     session_questions)
+from cmimem_jax.task.episode import (Episode, RolloutScorer,
+                                     attribution_weights, policy_messages,
+                                     score_rollouts, session_questions)
 from cmimem_jax.task.qa_reward import QAReward
 from cmimem_jax.task.report import session_line, summary_text, written_memory
 from cmimem_jax.task.snapshots import (build_snapshots, expert_responses,
@@ -90,8 +90,9 @@ def _check_training(c) -> None:
   c.check("rollout.num_rollouts", lambda v: isinstance(v, int) and v >= 2,
           "an int >= 2 (GRPO compares rollouts within a group)")
   c.check("rollout.temperature", lambda v: v >= 0, ">= 0")
-  c.check("rollout.release_programs_each_step",
-          lambda v: isinstance(v, bool), "True or False")
+  for name in ("release_programs_each_step", "score_beside_decoding"):
+    c.check(f"rollout.{name}", lambda v: isinstance(v, bool),
+            "True or False")
   c.check("rollout.max_rows_per_wave", lambda v: isinstance(v, int) and v >= 0,
           "a non-negative integer")
   c.check("rollout.decode_devices", lambda v: v in DECODE_DEVICES,
@@ -219,7 +220,8 @@ def rollout_settings(config: Any) -> RolloutSettings:
       group=rollout.num_rollouts, temperature=rollout.temperature,
       top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens,
       logprob_chunk=config.rl.logprob_chunk,
-      release_programs_each_step=rollout.release_programs_each_step)
+      release_programs_each_step=rollout.release_programs_each_step,
+      score_beside_decoding=rollout.score_beside_decoding)
 
 
 def jax_policy(config: Any, model: Qwen3, tokenizer: Any, mesh: Mesh,
@@ -353,6 +355,58 @@ def _mean_terms(terms) -> dict[str, float]:
   return {f"reward/{k}": float(np.mean(v)) for k, v in sums.items()}
 
 
+class SessionReward:
+  """A step's `rl.IncrementalReward` for `group` rollouts of each of
+  `episodes`: each wave's responses parsed, applied to a copy of their
+  session's snapshot and their QA calls sent as the wave arrives
+  (`RolloutScorer.add`); `finish` waits for the calls, scores every row
+  (CMI terms + QA reward) and adds the attribution token weights. Its
+  metrics are the mean reward terms (`reward/*`), the QA endpoint
+  failures and the model edits of the step; `Scores.details`: each
+  rollout's `RewardTerms`. A step whose QA calls failed past
+  `qa.max_failure_rate` raises in `finish`, before the update."""
+
+  def __init__(self, trainer: Trainer, episodes: list[Episode]):
+    self.trainer, self.episodes = trainer, episodes
+    self.needs_device = trainer.scoring_needs_device
+    self.failures_before = sum(trainer.qa.failures.values())
+    self.edits: collections.Counter[str] = collections.Counter()
+    self.scorer = RolloutScorer(trainer.encoder, trainer.config.memory,
+                                trainer.qa, trainer.reward, trainer.editors,
+                                self.edits)
+    self.rows = 0  # Rows added so far.
+
+  def add(self, wave: Rollouts) -> None:
+    first = self.rows // wave.group
+    sessions = len(wave.texts) // wave.group
+    self.scorer.add(self.episodes[first:first + sessions], wave.texts,
+                    wave.group)
+    self.rows += len(wave.texts)
+
+  def finish(self, rollouts: Rollouts) -> Scores:
+    trainer = self.trainer
+    if self.rows != len(rollouts.texts):
+      raise ValueError(f"{self.rows} rollouts scored of the step's "
+                       f"{len(rollouts.texts)}")
+    _, terms = self.scorer.finish()
+    failures = sum(trainer.qa.failures.values()) - self.failures_before
+    # Before the update: a step whose QA calls failed past the accepted
+    # rate is not trained on.
+    trainer._check_qa_failures(trainer.loop["step"] + 1, self.episodes,
+                               terms, self.failures_before)
+    width = rollouts.output.tokens.shape[1]
+    weights = np.stack([
+        attribution_weights(t, trainer.policy.decode, c, width,
+                            trainer.policy.decode_each)
+        for t, c in zip(terms, rollouts.completions)])
+    return Scores(
+        np.array([t.reward for t in terms]),
+        np.array([t.valid for t in terms]), weights,
+        {**_mean_terms(terms), "qa_failures": failures,
+         **{key: self.edits[key] for key in EDIT_COUNTERS}},
+        terms)
+
+
 class Trainer:
   """The CMI-Mem training loop around the GRPO `Learner`; rollouts come
   from `self.policy` (a `ChatPolicy` over the JAX sampler or vLLM)."""
@@ -431,6 +485,12 @@ class Trainer:
     self.qa = QAReward.from_config(config, self.encoder)
     self.editors = memory_editors(
         config.memory, {"policy": self.policy, "answer": self.qa.answerer})
+    # Whether scoring a wave runs programs on the chips (an in-process
+    # encoder embeds new entries and questions; the policy compresses the
+    # core or writes MERGE summaries): the step then decodes the next wave
+    # after the scoring's own programs, not beside them.
+    self.scoring_needs_device = getattr(self.encoder, "on_device", True) or (
+        "policy" in (config.memory.compressor, config.memory.merge_summarizer))
     self.fixed_snapshots = config.rl.snapshots != "policy"
     if self.fixed_snapshots:
       self.snapshots = load_expert_snapshots(
@@ -553,38 +613,10 @@ class Trainer:
           "no update made from them: rerun to resume from the last "
           "checkpoint")
 
-  def session_reward(self, episodes: list[Episode]) -> RewardFn:
-    """The step's reward for `group` rollouts of each of `episodes`: each
-    response parsed, applied to a copy of the session's snapshot and
-    scored (`score_rollouts`: CMI terms + QA reward), with the attribution
-    token weights; its metrics are the mean reward terms (`reward/*`), the
-    QA endpoint failures and the model edits of the step. `Scores.details`:
-    each rollout's `RewardTerms`."""
-
-    def reward(rollouts: Rollouts) -> Scores:
-      failures_before = sum(self.qa.failures.values())
-      edits: collections.Counter[str] = collections.Counter()
-      _, terms = score_rollouts(episodes, rollouts.texts, rollouts.group,
-                                self.encoder, self.config.memory, self.qa,
-                                self.reward, self.editors, edits)
-      # Before the update: a step whose QA calls failed past the accepted
-      # rate is not trained on.
-      self._check_qa_failures(self.loop["step"] + 1, episodes, terms,
-                              failures_before)
-      width = rollouts.output.tokens.shape[1]
-      weights = np.stack([
-          attribution_weights(t, self.policy.decode, c, width,
-                              self.policy.decode_each)
-          for t, c in zip(terms, rollouts.completions)])
-      return Scores(
-          np.array([t.reward for t in terms]),
-          np.array([t.valid for t in terms]), weights,
-          {**_mean_terms(terms),
-           "qa_failures": sum(self.qa.failures.values()) - failures_before,
-           **{key: edits[key] for key in EDIT_COUNTERS}},
-          terms)
-
-    return reward
+  def session_reward(self, episodes: list[Episode]) -> SessionReward:
+    """The step's reward for `group` rollouts of each of `episodes`
+    (`SessionReward`)."""
+    return SessionReward(self, episodes)
 
   def save_checkpoint(self) -> None:
     step = self.loop["step"]

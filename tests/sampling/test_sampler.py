@@ -362,3 +362,32 @@ def test_waves_of_whole_groups_give_the_unwaved_greedy_rollouts(model):
   np.testing.assert_allclose(out.logprobs, whole.logprobs, atol=1e-6)
   with pytest.raises(ValueError, match="max_rows_per_wave"):
     Sampler(model, config, max_rows_per_wave=-1)
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_waves_come_one_at_a_time_as_generate_samples_them(model, ahead):
+  """`generate_waves`: each wave's rows in order, together `generate`'s
+  sampled output for the same key; with `ahead` the next wave is
+  dispatched before the caller gets this one (it decodes while the caller
+  scores), without only when the caller asks for it."""
+  rows = [p for p in PROMPTS for _ in range(4)]
+  config = SamplingConfig(temperature=1.0, max_new_tokens=5)
+  sampler = Sampler(model, config, buckets=(8,), max_rows_per_wave=4)
+  whole = sampler.generate(rows, jax.random.key(3), 1.0, 0.9, 5)
+  dispatched = []
+  dispatch = sampler._dispatch_wave
+  sampler._dispatch_wave = lambda *args: (dispatched.append(len(args[0])),
+                                          dispatch(*args))[1]
+  waves, seen = [], []
+  for wave in sampler.generate_waves(rows, jax.random.key(3), 1.0, 0.9, 5,
+                                     ahead=ahead):
+    seen.append(len(dispatched))
+    waves.append(wave)
+  assert [len(w.lengths) for w in waves] == [4, 4, 4]
+  assert seen == ([2, 3, 3] if ahead else [1, 2, 3])
+  for field in ("tokens", "lengths", "prompt_tokens", "prompt_mask"):
+    np.testing.assert_array_equal(
+        np.concatenate([getattr(w, field) for w in waves]),
+        getattr(whole, field))
+  np.testing.assert_array_equal(
+      np.concatenate([w.logprobs for w in waves]), whole.logprobs)
