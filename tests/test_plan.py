@@ -121,12 +121,21 @@ def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
       rollout["rollout_prefill_roofline_s"]
       + 32 * rollout["rollout_decode_roofline_s"], rel=2e-2)
   # 256 rollouts x 5 questions at 8 calls in flight, the last verdicts a
-  # round later, 3 s a round; the learner's own log-probs.
-  assert per_step["reward_endpoint_s"] == (1280 / 8 + 1) * 3.0
+  # round later, 3 s a round; each of the 4 waves' 320 calls sent as it is
+  # decoded, so the first's outlast the decoding of the 3 after it
+  # (these 1-layer, 32-token waves take milliseconds); the learner's own
+  # log-probs.
+  wave_s = (per_step["rollout_prefill_s"] + per_step["rollout_decode_s"]) / 4
+  assert run["endpoint"]["scoring_s"] == (1280 / 8 + 1) * 3.0
+  assert per_step["reward_endpoint_s"] == pytest.approx(
+      plan.scoring_after_decoding([320] * 4, 8, 3.0, wave_s), abs=1e-5)
+  assert per_step["reward_endpoint_s"] == pytest.approx(
+      (1280 / 8 + 1) * 3.0 - 3 * wave_s, abs=1e-5)
   assert run["endpoint"]["answer_concurrency"] == 8
   assert run["endpoint"]["call_latency_s"] == 3.0
   assert "in flight together" in run["endpoint"]["overlap"]
-  assert run_32["per_step"]["reward_endpoint_s"] == (1280 / 32 + 1) * 3.0
+  assert "while the next waves decode" in run["endpoint"]["overlap"]
+  assert run_32["endpoint"]["scoring_s"] == (1280 / 32 + 1) * 3.0
   assert run_32["endpoint"]["judge_concurrency"] == 32
   assert 0 < per_step["reward_host_s"] < 256 * 0.05
   assert per_step["recompute_logprobs_s"] == 0
@@ -184,8 +193,8 @@ def test_plan_compiles_the_cmi_kernel_for_a_v5p_8():
 
 SHAPE = plan.RunShape(
     sessions=100, epochs=3, sessions_per_step=8, max_steps=0, rollouts=4,
-    micro_batches=2, completion_tokens=10, waves=2, endpoint_rounds=3,
-    call_latency_s=0.5, chips=4, host_s=0.75)
+    micro_batches=2, completion_tokens=10, waves=2, questions=2,
+    concurrency=4, call_latency_s=0.5, chips=4, host_s=0.75)
 SECONDS = {"rollout_prefill": 1.0, "rollout_decode": 0.1, "train": 5.0,
            "recompute": 0.25, "cmi_kernel": 0.5}
 
@@ -194,21 +203,74 @@ def test_run_cost_adds_every_stage_of_every_step():
   run = plan.run_cost(SHAPE, SECONDS)
   # ceil(3 x 100 / 8): the last batch runs into a fourth pass.
   assert run["steps"] == 38
+  # 2 waves of 4 sessions x 4 rollouts x 2 questions = 32 calls each, 4
+  # in flight: 9 rounds each (8 + the last verdicts), 17 for both. A wave
+  # decodes in 1 + 10 x 0.1 = 2 s, so wave 1's calls outlast it by
+  # 17 x 0.5 - 2 = 6.5 s (wave 2's alone: 4.5 s); the old log-probs'
+  # recompute (0.5 s) runs beside them.
+  assert SHAPE.wave_calls() == [32, 32]
   assert run["per_step"] == {
       "rollout_prefill_s": 2 * 1.0,             # waves x a wave's prefill
       "rollout_decode_s": 2 * 10 * 0.1,         # waves x tokens x a token
       "reward_cmi_s": 0.5,
-      "reward_endpoint_s": 3 * 0.5,             # rounds x latency
+      "reward_endpoint_s": 17 * 0.5 - 2.0 - 0.5,
       "reward_host_s": 0.75,
       "recompute_logprobs_s": 2 * 0.25,         # micro-batches x a forward
       "train_s": 2 * 5.0}                       # micro-batches x a call
-  assert run["step_s"] == 17.25
-  assert run["hours"] == round(38 * 17.25 / 3600, 3)
-  assert run["chip_hours"] == round(38 * 17.25 / 3600 * 4, 3)
+  assert run["endpoint_s"] == 17 * 0.5 and run["endpoint_hidden_s"] == 2.5
+  assert run["step_s"] == 21.75
+  assert run["hours"] == round(38 * 21.75 / 3600, 3)
+  assert run["chip_hours"] == round(38 * 21.75 / 3600 * 4, 3)
   # max_steps overrides the passes.
   capped = plan.run_cost(plan.dataclasses.replace(SHAPE, max_steps=5),
                          SECONDS)
   assert capped["steps"] == 5 and capped["step_s"] == run["step_s"]
+  # Scored after the last wave: every round after the decoding.
+  serial = plan.run_cost(plan.dataclasses.replace(
+      SHAPE, score_beside_decoding=False), SECONDS)
+  assert serial["per_step"]["reward_endpoint_s"] == 17 * 0.5 - 0.5
+  # A last wave holds the sessions left over.
+  assert plan.dataclasses.replace(SHAPE, waves=3).wave_calls() == [
+      24, 24, 16]
+
+
+def _simulated_scoring(wave_calls, concurrency, latency, wave_s):
+  """What `scoring_after_decoding` models, simulated call by call: wave
+  w's calls sent at (w + 1) x wave_s into an answer pool of
+  `concurrency` workers, each verdict into a judge pool of as many as
+  its answer arrives; seconds from the last wave to the last verdict."""
+  import heapq
+
+  def serve(arrivals):
+    workers, done = [0.0] * concurrency, []
+    for arrival in sorted(arrivals):
+      start = max(arrival, heapq.heappop(workers))
+      heapq.heappush(workers, start + latency)
+      done.append(start + latency)
+    return done
+  arrivals = [(w + 1) * wave_s for w, n in enumerate(wave_calls)
+              for _ in range(n)]
+  verdicts = serve(serve(arrivals))
+  return max(verdicts, default=0.0) - len(wave_calls) * wave_s if (
+      verdicts) else 0.0
+
+
+@pytest.mark.parametrize("wave_calls,concurrency,wave_s", [
+    ([10, 10, 10], 10, 5.0),    # Each wave's calls end within the next.
+    ([10, 10, 10], 10, 0.1),    # A backlog: the first wave's calls show.
+    ([320] * 4, 32, 62.0),      # The paper's v5p-8 step at 32 in flight.
+    ([320] * 4, 8, 62.0),
+    ([7, 0, 12, 3], 4, 1.3),
+    ([0, 0], 4, 1.0)])
+def test_scoring_after_decoding_is_the_simulated_step(wave_calls,
+                                                      concurrency, wave_s):
+  model = plan.scoring_after_decoding(wave_calls, concurrency, 3.0, wave_s)
+  assert model == pytest.approx(
+      _simulated_scoring(wave_calls, concurrency, 3.0, wave_s), abs=1e-9)
+  serial = plan.scoring_after_decoding(wave_calls, concurrency, 3.0, wave_s,
+                                       beside=False)
+  assert serial == plan.call_rounds(sum(wave_calls), concurrency) * 3.0
+  assert model <= serial
 
 
 @pytest.mark.parametrize("sessions,batch,epochs", [(100, 8, 3), (2400, 32, 5),

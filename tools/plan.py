@@ -73,22 +73,26 @@ counts once, so a decoding step's cost is the model's count of one step,
 judge calls of every rollout all in flight at each endpoint's
 concurrency, a verdict asked as soon as its answer arrives, as
 `task.episode.RolloutScorer` sends them: `endpoint_rounds` rounds of
-`--call_latency_s`, after the last decoding wave; the attribution weights
-of every rollout, measured on this host), vLLM's old log-probs recomputed
-(one forward per micro-batch, only with `rl.old_logprobs="sampler"`) and
+`--call_latency_s`; each wave's calls sent as soon as it is decoded, so
+only what they outlast the decoding by counts
+(`scoring_after_decoding`); the attribution weights of every rollout,
+measured on this host), vLLM's old log-probs recomputed (one forward per
+micro-batch, only with `rl.old_logprobs="sampler"`, beside the last
+calls) and
 the `rl.micro_batches` train calls (with `rl.share_prompts`, each
 prompt's FLOPs once for its rows: `shared_train_cost`); times the steps
 (`rl.epochs` passes over the sessions at `rl.sessions_per_batch` a step;
 the sessions from the split's question ids x
 `LONGMEMEVAL_SESSIONS_PER_DIALOGUE`, or `--sessions`). It prints a `run`
 JSON line per `--concurrency` (`steps`, `per_step`, `step_s`, `hours`,
-`chip_hours`, `fits`, `endpoint`: the concurrency, latency and overlap
-assumed, `assumptions`: each number's derivation) and the same as a table
+`chip_hours`, `fits`, `endpoint`: the concurrency, latency, the calls'
+seconds alone and hidden, and the overlap assumed, `assumptions`: each
+number's derivation) and the same as a table
 on stderr. `--chip` prices the same programs on another chip's published
 figures (`h20`: compiled for the 8 devices of a v5p-16, since there is no
 GPU compiler here) or on this machine's measured ones (`host`).
-`tools/scoring_check.py` checks the scoring stage's model against a
-measured CPU step.
+`tools/scoring_check.py` checks the scoring stage's model, and its
+overlap with decoding, against measured CPU steps.
 
 Checked on this CPU against `configs/default.py`'s measured GRPO step
 (`--topology=cpu:1 --preset=smollm2_135m --chip=host`; BENCHMARKS.md,
@@ -109,6 +113,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -391,8 +396,9 @@ RUN_PROGRAMS = ("train", "rollout")
 class RunShape:
   """What a GRPO run does (`task.loop.Trainer`), counted from its config:
   a step samples `sessions_per_step x rollouts` rows in `waves` decoding
-  waves of `completion_tokens` tokens (every row runs to the cap), scores
-  every rollout, then takes `micro_batches` train-program calls."""
+  waves of whole sessions (the last may hold fewer) of
+  `completion_tokens` tokens (every row runs to the cap), scores every
+  rollout, then takes `micro_batches` train-program calls."""
   sessions: int           # Training sessions in one pass (an epoch).
   epochs: int
   sessions_per_step: int
@@ -401,15 +407,27 @@ class RunShape:
   micro_batches: int
   completion_tokens: int
   waves: int
-  # Rounds of endpoint calls in a step's scoring stage (`endpoint_rounds`:
-  # every call of the step in flight, 0 without the LLM judge) and one
-  # round's seconds.
-  endpoint_rounds: int
+  # Answer-model calls per rollout (each then judged; 0 without the LLM
+  # judge), the calls in flight at the slower endpoint, one call's seconds.
+  questions: int
+  concurrency: int
   call_latency_s: float
   chips: int
   # Host seconds of a step outside the endpoints (measured: the
   # attribution weights of every rollout, `host_seconds`).
   host_s: float = 0.0
+  # A wave's calls are sent as soon as it is decoded, while the next
+  # waves decode (`rollout.score_beside_decoding`); False: after the last.
+  score_beside_decoding: bool = True
+
+  def wave_calls(self) -> list[int]:
+    """Answer calls of each decoding wave: its sessions' rollouts x
+    `questions` (the waves hold ceil(sessions_per_step / waves) sessions,
+    the last the rest)."""
+    per_wave = -(-self.sessions_per_step // self.waves)
+    sessions = [min(per_wave, self.sessions_per_step - w * per_wave)
+                for w in range(self.waves)]
+    return [s * self.rollouts * self.questions for s in sessions]
 
   @property
   def steps(self) -> int:
@@ -419,30 +437,90 @@ class RunShape:
                                // self.sessions_per_step)
 
 
+def call_rounds(calls: int, concurrency: int) -> int:
+  """Rounds of endpoint calls for `calls` answers sent at once with each
+  verdict asked as soon as its answer arrives
+  (`task.episode.RolloutScorer`), at most `concurrency` in flight at the
+  slower endpoint: ceil(calls / concurrency) rounds of answers, the last
+  verdicts a round later; 0 for no calls."""
+  return -(-calls // concurrency) + 1 if calls else 0
+
+
+def scoring_after_decoding(wave_calls: Sequence[int], concurrency: int,
+                           latency_s: float, wave_s: float,
+                           beside: bool = True) -> float:
+  """Seconds a step's endpoint calls outlast its last decoding wave, when
+  wave w's `wave_calls[w]` calls are sent as it is decoded, `wave_s` after
+  wave w - 1's (`rl.GRPOStep` with `score_beside_decoding`), into
+  endpoints that keep `concurrency` calls in flight for the whole step.
+
+  The endpoints work through the calls in the order they were sent, so
+  the last verdict comes when, for some wave w, the calls sent from wave
+  w on have all been served one after another since w arrived: at
+  max over w of [t_w + call_rounds(calls of waves w.., C) x L], with
+  t_w = (w + 1) x wave_s. Less the last wave's arrival t_W, what remains
+  after decoding is
+
+      max over w of [call_rounds(calls of waves w.., C) x L
+                     - (W - 1 - w) x wave_s]
+
+  (w = W - 1: the last wave's own calls alone), at least 0. The calls of
+  waves that end early enough are hidden behind the later waves'
+  decoding; a backlog that outlives them shows. `beside=False` (every
+  wave scored after the last): all the calls' rounds."""
+  if not beside:
+    return call_rounds(sum(wave_calls), concurrency) * latency_s
+  waves = len(wave_calls)
+  return max([0.0] + [
+      call_rounds(sum(wave_calls[w:]), concurrency) * latency_s
+      - (waves - 1 - w) * wave_s for w in range(waves)])
+
+
 def run_cost(shape: RunShape, seconds: dict[str, float]) -> dict:
   """The run's time from one call of each program (`seconds`, per chip,
   the chips in parallel): "rollout_prefill" (one wave's prompts),
   "rollout_decode" (one token of one wave's rows), "train" (one
   micro-batch), "recompute" (one micro-batch's forward for old log-probs;
   0 where the sampler gives them) and "cmi_kernel" (a step's CMI terms).
-  The loop runs its stages one after another (the scoring stage's calls
-  overlap each other, not the decoding or the update), so a step is their
-  sum; `hours` the steps' total, `chip_hours` that times the chips held."""
+
+  A step runs as `Trainer.step` runs it: the waves decode one after
+  another while each decoded wave's endpoint calls are in flight
+  (`scoring_after_decoding`); after the last wave the learner recomputes
+  old log-probs with the last calls still in flight, so
+  `reward_endpoint_s` is what the calls outlast the decoding and the
+  recompute by; then the CMI kernel, the host work and the update, one
+  after another. A step is the sum of `per_step`; `endpoint_s` all the
+  calls alone (the stage before the overlap), `endpoint_hidden_s` what
+  decoding and the recompute hid of it; `hours` the steps' total,
+  `chip_hours` that times the chips held."""
+  wave_s = (seconds["rollout_prefill"]
+            + shape.completion_tokens * seconds["rollout_decode"])
+  calls = shape.wave_calls()
+  recompute_s = shape.micro_batches * seconds["recompute"]
+  after = scoring_after_decoding(calls, shape.concurrency,
+                                 shape.call_latency_s, wave_s,
+                                 shape.score_beside_decoding)
+  endpoint_s = scoring_after_decoding(calls, shape.concurrency,
+                                      shape.call_latency_s, wave_s,
+                                      beside=False)
   per_step = {
       "rollout_prefill_s": shape.waves * seconds["rollout_prefill"],
       "rollout_decode_s": (shape.waves * shape.completion_tokens
                            * seconds["rollout_decode"]),
       "reward_cmi_s": seconds["cmi_kernel"],
-      "reward_endpoint_s": shape.endpoint_rounds * shape.call_latency_s,
+      "reward_endpoint_s": max(0.0, after - recompute_s),
       "reward_host_s": shape.host_s,
-      "recompute_logprobs_s": shape.micro_batches * seconds["recompute"],
+      "recompute_logprobs_s": recompute_s,
       "train_s": shape.micro_batches * seconds["train"]}
   step_s = sum(per_step.values())
   hours = shape.steps * step_s / 3600
   return {"steps": shape.steps,
           "per_step": {k: round(v, 6) for k, v in per_step.items()},
           "step_s": round(step_s, 6), "hours": round(hours, 3),
-          "chip_hours": round(hours * shape.chips, 3), "chips": shape.chips}
+          "chip_hours": round(hours * shape.chips, 3), "chips": shape.chips,
+          "endpoint_s": round(endpoint_s, 6),
+          "endpoint_hidden_s": round(endpoint_s
+                                     - per_step["reward_endpoint_s"], 6)}
 
 
 def run_layout(config, chips: int, decoding_chips: int) -> dict[str, int]:
@@ -476,19 +554,19 @@ def endpoint_concurrency(config, concurrency: int = 0) -> tuple[int, int]:
 
 def endpoint_rounds(config, rollouts: int, questions: int,
                     concurrency: int = 0) -> int:
-  """Rounds of endpoint calls in a step's scoring stage
+  """Rounds of endpoint calls of `rollouts` rollouts' scoring all at once
   (`task.episode.RolloutScorer`): every rollout's answer calls are sent
   at once, at most `concurrency` in flight per endpoint
   (`endpoint_concurrency`), and each answer's judge call as soon as it
   arrives, so N = rollouts x questions answers take ceil(N / C_answer)
   rounds and the verdicts end one round after the last answer (or, with
   a slower judge, ceil(N / C_judge) rounds after the first): ceil(N /
-  min(C_answer, C_judge)) + 1. Every rollout valid (an invalid one asks
-  nothing). 0 without the LLM judge."""
+  min(C_answer, C_judge)) + 1 (`call_rounds`). Every rollout valid (an
+  invalid one asks nothing). 0 without the LLM judge."""
   if config.qa.judge != "llm":
     return 0
-  return -(-rollouts * questions // min(endpoint_concurrency(
-      config, concurrency))) + 1
+  return call_rounds(rollouts * questions,
+                     min(endpoint_concurrency(config, concurrency)))
 
 
 def host_seconds(rollouts: int, response_tokens: int) -> tuple[float, str]:
@@ -660,26 +738,52 @@ def _run(args, config, model_config, chip: Chip, layout: dict[str, int],
   concurrencies = ([int(c) for c in args.concurrency.split(",")]
                    if args.concurrency else [0])
   runs = []
+  llm = config.qa.judge == "llm"
+  beside = rollout.score_beside_decoding
+  waves = layout["waves"]
   for concurrency in concurrencies:
     rounds = endpoint_rounds(config, rollouts, QA_PER_SESSION, concurrency)
     answer_c, judge_c = endpoint_concurrency(config, concurrency)
     shape = RunShape(sessions, max(1, rl.epochs), rl.sessions_per_batch,
                      rl.max_steps, rollout.num_rollouts, rl.micro_batches,
-                     completion, layout["waves"], rounds, args.call_latency_s,
-                     chips, host_s)
+                     completion, waves, QA_PER_SESSION if llm else 0,
+                     min(answer_c, judge_c), args.call_latency_s, chips,
+                     host_s, beside)
     run = run_cost(shape, seconds)
-    llm = config.qa.judge == "llm"
+    scoring_s, hidden_s = run.pop("endpoint_s"), run.pop("endpoint_hidden_s")
+    wave_calls = shape.wave_calls()
+    overlap = (
+        "every answer and judge call of a step in flight together, each "
+        "endpoint at its concurrency for the whole step, a verdict asked "
+        "as soon as its answer arrives (task.episode.RolloutScorer); ")
+    if beside and waves > 1:
+      overlap += (
+          f"each of the {waves} decoding waves' calls sent as soon as it is "
+          "decoded, while the next waves decode "
+          "(rollout.score_beside_decoding, rl.GRPOStep); after the last "
+          "wave what remains is max over waves w of [the rounds of the "
+          "calls of waves w.. x the latency - the decoding after wave w] "
+          "(tools/plan.py scoring_after_decoding). Not counted: the host "
+          "work of applying a wave before its calls go out, during which "
+          "the chips idle where scoring needs them (an in-process encoder, "
+          "the policy as core compressor: the next wave is dispatched "
+          "after it)")
+    else:
+      overlap += ("the calls sent after the "
+                  + ("only decoding wave" if waves == 1 else "last wave "
+                     "(rollout.score_beside_decoding=False)")
+                  + ", none beside decoding")
+    if recompute:
+      overlap += ("; the learner's old log-probs are recomputed while the "
+                  "last calls are in flight")
+    overlap += "; the update after the last verdict"
     endpoint = {
         "answer_concurrency": answer_c if llm else None,
         "judge_concurrency": judge_c if llm else None,
         "call_latency_s": args.call_latency_s if llm else None,
-        "overlap": (
-            "every answer and judge call of a step in flight together, each "
-            "endpoint at its concurrency, a verdict asked as soon as its "
-            "answer arrives (task.episode.RolloutScorer); the scoring "
-            "stage starts after the last decoding wave and the update "
-            "after the last verdict (no overlap with decoding or training)"
-            if llm else "no endpoint calls")}
+        "scoring_s": scoring_s if llm else None,
+        "hidden_s": hidden_s if llm else None,
+        "overlap": overlap if llm else "no endpoint calls"}
     assumptions = {
         "steps": f"{steps}; sessions: {source}",
         "rollout_prefill_s": (
@@ -697,12 +801,17 @@ def _run(args, config, model_config, chip: Chip, layout: dict[str, int],
             f"{rollouts} rollouts x {args.cmi_ops} scored operations "
             f"(--cmi_ops), N = {n}, d = {d}, float32, one kernel call"),
         "reward_endpoint_s": (
-            f"{rounds} rounds x {args.call_latency_s} s a call "
-            f"(--call_latency_s): ceil({rollouts} rollouts x "
-            f"{QA_PER_SESSION} questions / min(answer {answer_c}, judge "
-            f"{judge_c}) in flight) + 1 (the last verdicts), every rollout "
-            "valid" if rounds else f"qa.judge={config.qa.judge}: no "
-            "endpoint"),
+            f"the calls' {endpoint['scoring_s']:.4g} s alone ({rounds} "
+            f"rounds x {args.call_latency_s} s a call (--call_latency_s): "
+            f"ceil({rollouts} rollouts x {QA_PER_SESSION} questions / "
+            f"min(answer {answer_c}, judge {judge_c}) in flight) + 1, the "
+            "last verdicts; every rollout valid), less the "
+            f"{endpoint['hidden_s']:.4g} s hidden behind decoding"
+            + (f" ({waves} waves of {', '.join(map(str, wave_calls))} "
+               "calls, each sent as it is decoded)"
+               if beside and waves > 1 else "")
+            + (" and the old log-probs' recompute" if recompute else "")
+            if rounds else f"qa.judge={config.qa.judge}: no endpoint"),
         "reward_host_s": host_how,
         "recompute_logprobs_s": (
             f"rollout.engine=vllm, rl.old_logprobs=sampler: "
@@ -717,8 +826,10 @@ def _run(args, config, model_config, chip: Chip, layout: dict[str, int],
             + (f"; rl.share_prompts: each prompt once for its {group} rows "
                "(the compiled program's model FLOPs)" if group > 1 else
                "; whole rows")),
-        "step_s": "the stages one after another (Trainer.step); no "
-                  "compile, checkpoint, encoder or memory-edit time",
+        "step_s": "the stages' sum (Trainer.step: the endpoint calls "
+                  "overlap the decoding and recompute as reward_endpoint_s "
+                  "says, nothing else overlaps); no compile, checkpoint, "
+                  "encoder or memory-edit time",
         "hours": (f"roofline: max(model FLOPs / {chip.peak_bf16_tflops:g} "
                   f"TFLOP/s, model HBM bytes / {chip.hbm_gbytes_per_s:g} "
                   f"GB/s) per program ({chip.source}); XLA's cost_analysis "

@@ -230,17 +230,26 @@ def test_a_batch_only_answer_model_answers_each_rollout_in_one_call(step):
 
 
 @pytest.mark.slow
-def test_the_plans_scoring_model_against_a_measured_training_step():
-  """`tools/scoring_check.py`: GRPO steps of configs/tiny.py with the LLM
-  judge on latency stand-ins; the scoring stage the trainer measured
-  (after the first step, which compiles the CMI kernel) is the plan's
-  `(ceil(N / C) + 1) x L` plus host work, far below the serial `2R x L`."""
+def test_the_plans_scoring_model_against_measured_training_steps():
+  """`tools/scoring_check.py`: GRPO steps of configs/tiny.py in 3
+  decoding waves with the LLM judge on latency stand-ins, scored beside
+  the decoding and after it (the tool exits non-zero unless both runs'
+  rollouts.jsonl and rewards are the same). After the first step (which
+  compiles): scored after decoding, the stage is the plan's `(ceil(N / C)
+  + 1) x L` plus host work, far below the old `2R x L`; scored beside it,
+  the step's decoding and scoring take less than its decoding plus the
+  serial scoring, and at most 1.3 x the plan's model of the overlap."""
   import scoring_check
-  rows = scoring_check.main(["--latency_s=0.1", "--concurrency=4",
-                             "--steps=2"])
+  rows = scoring_check.main(["--latency_s=0.5", "--concurrency=4",
+                             "--steps=2", "--max_rows_per_wave=4"])
   assert [r["step"] for r in rows] == [1, 2]
   second = rows[1]
+  serial, beside, model = second["serial"], second["beside"], second["model"]
+  assert second["waves"] == 3 and len(second["wave_calls"]) == 3
   assert second["answer_calls"] > 4 * second["concurrency"]
-  assert second["peak_in_flight"] == [4, 4]
-  assert second["model_s"] <= second["measured_s"] <= 1.3 * second["model_s"]
-  assert second["measured_s"] < 0.7 * second["serial_s"]
+  assert second["peak_in_flight"] == {"beside": [4, 4], "serial": [4, 4]}
+  assert model["scoring_s"] <= serial["scoring_s"] <= 1.3 * model["scoring_s"]
+  assert serial["scoring_s"] < 0.7 * second["old_serial_scoring_s"]
+  assert beside["total_s"] < beside["decode_s"] + serial["scoring_s"]
+  assert beside["total_s"] <= 1.3 * model["beside_total_s"]
+  assert beside["scoring_after_s"] <= 1.3 * model["scoring_after_s"]
