@@ -16,7 +16,7 @@ wave when each wave's are sent as it is decoded
 wave), and the old serial scoring's `2 x valid rollouts x L`. It exits
 non-zero if the two runs' rollouts (`rollouts.jsonl`) or rewards differ.
 
-  python tools/scoring_check.py --latency_s=0.2 --concurrency=8 --steps=3 \
+  python tools/scoring_check.py --latency_s=0.2 --concurrency=4 --steps=3 \
       --max_rows_per_wave=4
 """
 

@@ -237,10 +237,13 @@ def test_the_plans_scoring_model_against_measured_training_steps():
   rollouts.jsonl and rewards are the same). After the first step (which
   compiles): scored after decoding, the stage is the plan's `(ceil(N / C)
   + 1) x L` plus host work, far below the old `2R x L`; scored beside it,
-  the step's decoding and scoring take less than its decoding plus the
-  serial scoring, and at most 1.3 x the plan's model of the overlap."""
+  the scoring left after decoding is well under the serial stage (the
+  decoding hides the first waves' calls), and the step's decoding and
+  scoring take less than its decoding plus the serial scoring, and at
+  most 1.3 x the plan's model of the overlap. (A wave's 12 calls take 3
+  rounds of 0.2 s, about what a wave of 64 tokens takes to decode here.)"""
   import scoring_check
-  rows = scoring_check.main(["--latency_s=0.5", "--concurrency=4",
+  rows = scoring_check.main(["--latency_s=0.2", "--concurrency=4",
                              "--steps=2", "--max_rows_per_wave=4"])
   assert [r["step"] for r in rows] == [1, 2]
   second = rows[1]
@@ -250,6 +253,6 @@ def test_the_plans_scoring_model_against_measured_training_steps():
   assert second["peak_in_flight"] == {"beside": [4, 4], "serial": [4, 4]}
   assert model["scoring_s"] <= serial["scoring_s"] <= 1.3 * model["scoring_s"]
   assert serial["scoring_s"] < 0.7 * second["old_serial_scoring_s"]
+  assert beside["scoring_after_s"] < 0.8 * serial["scoring_s"]
   assert beside["total_s"] < beside["decode_s"] + serial["scoring_s"]
   assert beside["total_s"] <= 1.3 * model["beside_total_s"]
-  assert beside["scoring_after_s"] <= 1.3 * model["scoring_after_s"]
