@@ -813,15 +813,15 @@ def test_grpo_step_scores_with_the_reward_it_is_given(learner_logprobs):
 
 
 class _WaveReward:
-  """An `IncrementalReward` recording, at each `add`, the waves the
-  engine had dispatched by then; rewards: distinct tokens per row."""
+  """An `IncrementalReward` logging each `add` into the engine's `events`
+  (its dispatches and releases); rewards: distinct tokens per row."""
 
-  def __init__(self, needs_device, dispatched):
-    self.needs_device, self.dispatched = needs_device, dispatched
-    self.adds = []
+  def __init__(self, needs_device, events):
+    self.needs_device, self.events = needs_device, events
 
   def add(self, wave):
-    self.adds.append((len(wave.texts), len(self.dispatched)))
+    assert len(wave.texts) == 4  # One group a wave.
+    self.events.append("add")
 
   def finish(self, rollouts):
     from cmimem_jax.rl import Scores
@@ -833,36 +833,40 @@ class _WaveReward:
 def test_grpo_step_scores_each_wave_while_the_next_decodes(needs_device):
   """`GRPOStep` with `score_beside_decoding`: the reward gets each wave as
   it arrives, while the next decodes (dispatched before the `add`), or,
-  when its `add` needs the device, right before the next is dispatched
-  and with the KV buffers freed; the samples, rewards and advantages are
-  the serial order's (every wave decoded, then scored)."""
+  when its `add` needs the device, with the KV buffers freed and before
+  the next is dispatched; the samples, rewards and advantages are the
+  serial order's (every wave decoded and the buffers freed, then
+  scored)."""
   from cmimem_jax.rl import GRPOStep, RolloutSettings
   from cmimem_jax.sampling import ChatPolicy
-  results, rewards, events = {}, {}, {}
+  results, events = {}, {}
   for beside in (True, False):
     learner = Learner(tiny_model(), config(), one_device_mesh())
     sampler = Sampler(learner.model, SamplingConfig(eos_ids=()),
                       buckets=(8,), max_rows_per_wave=4)
-    dispatched, released = [], events.setdefault(beside, [])
+    log = events.setdefault(beside, [])
     dispatch, release = sampler._dispatch_wave, sampler.release
-    sampler._dispatch_wave = lambda *args: (
-        dispatched.append(1), released.append("dispatch"), dispatch(*args))[2]
-    sampler.release = lambda **kwargs: (released.append("release"),
+    sampler._dispatch_wave = lambda *args: (log.append("dispatch"),
+                                            dispatch(*args))[1]
+    sampler.release = lambda **kwargs: (log.append("release"),
                                         release(**kwargs))[1]
     step = GRPOStep(learner, ChatPolicy(sampler, _DigitsTokenizer(), 8),
-                    RolloutSettings(group=4, temperature=1.0, top_p=1.0,
+                    RolloutSettings(group=4, temperature=0.8, top_p=1.0,
                                     max_new_tokens=5, logprob_chunk=4,
                                     score_beside_decoding=beside))
-    rewards[beside] = _WaveReward(needs_device, dispatched)
-    results[beside] = step([[5, 17, 33], [44, 8], [9]], jax.random.key(1),
-                           rewards[beside])
-    assert results[beside].metrics["decode_waves"] == 3
+    # The shapes of test_grpo_step_scores_with_the_reward_it_is_given's
+    # update (its compiled program is loaded, not compiled again).
+    results[beside] = step([[5, 17, 33], [44, 8]], jax.random.key(1),
+                           _WaveReward(needs_device, log))
+    assert results[beside].metrics["decode_waves"] == 2
+  # The last two releases: the step's, then the update's.
   if needs_device:
-    assert rewards[True].adds == [(4, 1), (4, 2), (4, 3)]
-    assert events[True][:6] == ["dispatch", "release"] * 3
+    assert events[True] == ["dispatch", "release", "add"] * 2 + [
+        "release"] * 2
   else:
-    assert rewards[True].adds == [(4, 2), (4, 3), (4, 3)]
-  assert rewards[False].adds == [(4, 3)] * 3
+    assert events[True] == ["dispatch"] * 2 + ["add"] * 2 + ["release"] * 2
+  assert events[False] == ["dispatch"] * 2 + ["release"] + ["add"] * 2 + [
+      "release"]
   serial, overlapped = results[False], results[True]
   for field in ("tokens", "logprobs", "lengths"):
     np.testing.assert_array_equal(getattr(overlapped.rollouts.output, field),
