@@ -45,7 +45,7 @@ from cmimem_jax.config import (Interrupted, check_failures, finite_number,
                                write_config)
 from cmimem_jax.data import Dialogue, WorkdirLock, load_configured
 from cmimem_jax.data.files import write_atomic
-from cmimem_jax.encoders import encoder_identity, make_encoder
+from cmimem_jax.encoders import Encoder, encoder_identity, make_encoder
 from cmimem_jax.memory.builder import EDIT_COUNTERS
 from cmimem_jax.memory.compression import memory_editors
 from cmimem_jax.memory.dsl import response_regex
@@ -355,6 +355,18 @@ def _mean_terms(terms) -> dict[str, float]:
   return {f"reward/{k}": float(np.mean(v)) for k, v in sums.items()}
 
 
+def scoring_needs_device(encoder: Encoder, memory: Any) -> bool:
+  """Whether scoring a wave runs programs on the chips
+  (`rl.IncrementalReward.needs_device`): an in-process encoder embeds the
+  new entries and the questions (`Encoder.on_device`; an encoder that
+  does not say counts as one), or the policy compresses the core or
+  writes MERGE summaries (`memory.compressor` / `merge_summarizer`). The
+  step then dispatches the next wave after the scoring's programs, so
+  they never wait behind a whole wave's decoding."""
+  return bool(getattr(encoder, "on_device", True)) or "policy" in (
+      memory.compressor, memory.merge_summarizer)
+
+
 class SessionReward:
   """A step's `rl.IncrementalReward` for `group` rollouts of each of
   `episodes`: each wave's responses parsed, applied to a copy of their
@@ -485,12 +497,8 @@ class Trainer:
     self.qa = QAReward.from_config(config, self.encoder)
     self.editors = memory_editors(
         config.memory, {"policy": self.policy, "answer": self.qa.answerer})
-    # Whether scoring a wave runs programs on the chips (an in-process
-    # encoder embeds new entries and questions; the policy compresses the
-    # core or writes MERGE summaries): the step then decodes the next wave
-    # after the scoring's own programs, not beside them.
-    self.scoring_needs_device = getattr(self.encoder, "on_device", True) or (
-        "policy" in (config.memory.compressor, config.memory.merge_summarizer))
+    self.scoring_needs_device = scoring_needs_device(self.encoder,
+                                                     config.memory)
     self.fixed_snapshots = config.rl.snapshots != "policy"
     if self.fixed_snapshots:
       self.snapshots = load_expert_snapshots(

@@ -256,3 +256,31 @@ def test_the_plans_scoring_model_against_measured_training_steps():
   assert beside["scoring_after_s"] < 0.8 * serial["scoring_s"]
   assert beside["total_s"] < beside["decode_s"] + serial["scoring_s"]
   assert beside["total_s"] <= 1.3 * model["beside_total_s"]
+
+
+@pytest.mark.parametrize("encoder,edits,needs", [
+    ("hashing", {}, False),
+    ("endpoint", {"compressor": "answer", "merge_summarizer": "answer"},
+     False),
+    ("in_process", {}, True),
+    ("unsaid", {}, True),
+    ("hashing", {"compressor": "policy"}, True),
+    ("hashing", {"merge_summarizer": "policy"}, True)])
+def test_scoring_needs_the_device_for_an_in_process_encoder_or_policy_edits(
+    encoder, edits, needs):
+  """`task.loop.scoring_needs_device`, the trainer's reward's
+  `needs_device` (the step then dispatches each next wave after the
+  wave's scoring, not before it): a host or endpoint encoder with
+  endpoint editors scores beside the next wave; an in-process encoder,
+  an encoder that does not say, or the policy as core compressor or MERGE
+  writer score between waves."""
+  from cmimem_jax.encoders.neural import TransformerEncoder
+  from cmimem_jax.encoders.remote import OpenAIEncoder
+  from cmimem_jax.task.loop import scoring_needs_device
+  encoders = {"hashing": ENCODER,
+              "endpoint": OpenAIEncoder.__new__(OpenAIEncoder),
+              "in_process": TransformerEncoder.__new__(TransformerEncoder),
+              "unsaid": object()}
+  memory = MEMORY.copy_and_resolve_references()
+  memory.update(edits)
+  assert scoring_needs_device(encoders[encoder], memory) is needs
