@@ -284,3 +284,46 @@ def test_scoring_needs_the_device_for_an_in_process_encoder_or_policy_edits(
   memory = MEMORY.copy_and_resolve_references()
   memory.update(edits)
   assert scoring_needs_device(encoders[encoder], memory) is needs
+
+
+def test_the_trainers_reward_scores_waves_as_one_step(step):
+  """`task.loop.SessionReward` given a step's rows in decoding waves of
+  whole groups (2 episodes x 4 rollouts a wave): each wave's rows scored
+  against its own episodes, the terms `score_rollouts` gives the whole
+  step, with each row's token weights; a step with rows left unscored
+  raises."""
+  from types import SimpleNamespace
+
+  from cmimem_jax.memory.apply import MemoryEditors
+  from cmimem_jax.rl import Rollouts
+  from cmimem_jax.task.loop import SessionReward
+  episodes, texts = step
+  group, computer = 4, RewardComputer(ENCODER)
+  # One token a character.
+  completions = [[ord(c) for c in text] for text in texts]
+  width = max(map(len, completions))
+  output = SimpleNamespace(tokens=np.zeros((len(texts), width), np.int32))
+  with ScriptedLLM() as instant:
+    qa = llm_reward(instant.base_url, instant.base_url, 8)
+    _, whole = score_rollouts(episodes, texts, group, ENCODER, MEMORY, qa,
+                              computer)
+    trainer = SimpleNamespace(
+        scoring_needs_device=False, qa=qa, encoder=ENCODER,
+        config=SimpleNamespace(memory=MEMORY), reward=computer,
+        editors=MemoryEditors(), loop={"step": 0},
+        _check_qa_failures=lambda *args: None,
+        policy=SimpleNamespace(decode=lambda t: "".join(map(chr, t)),
+                               decode_each=None))
+    reward = SessionReward(trainer, episodes)
+    wave = 2 * group
+    for start in range(0, len(texts), wave):
+      reward.add(Rollouts(None, completions[start:start + wave],
+                          texts[start:start + wave], group))
+    scores = reward.finish(Rollouts(output, completions, texts, group))
+    short = SessionReward(trainer, episodes)
+    short.add(Rollouts(None, completions[:wave], texts[:wave], group))
+    with pytest.raises(ValueError, match="8 rollouts scored of the step's 16"):
+      short.finish(Rollouts(output, completions, texts, group))
+  assert records(scores.details) == records(whole)
+  np.testing.assert_array_equal(scores.rewards, [t.reward for t in whole])
+  assert scores.token_weights.shape == (len(texts), width)
