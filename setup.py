@@ -21,7 +21,7 @@ setuptools.setup(
     packages=setuptools.find_packages(include=["cmimem_jax", "cmimem_jax.*"]),
     package_data={"cmimem_jax.data": ["bundled/*.json"],
                   "cmimem_jax.evaluation": ["paper_results.json"],
-                  "cmimem_jax.cmi": ["skip_calibration.json"]},
+                  "cmimem_jax.task": ["skip_calibration.json"]},
     python_requires=">=3.10",
     install_requires=_requirements(),
     extras_require={

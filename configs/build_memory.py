@@ -6,7 +6,7 @@
 
 import ml_collections
 
-from cmimem_jax.cmi.reward import reward_defaults
+from cmimem_jax.task.reward import reward_defaults
 from cmimem_jax.config import memory_defaults
 
 

@@ -16,7 +16,7 @@ values).
 
 import ml_collections
 
-from cmimem_jax.cmi.reward import reward_defaults
+from cmimem_jax.task.reward import reward_defaults
 from cmimem_jax.config import memory_defaults
 from cmimem_jax.encoders import DEFAULT_QUERY_INSTRUCTION
 

@@ -7,7 +7,7 @@ paper's reward constants (under 10 minutes on 2 CPU cores).
 
 import ml_collections
 
-from cmimem_jax.cmi.reward import reward_defaults
+from cmimem_jax.task.reward import reward_defaults
 from cmimem_jax.config import memory_defaults
 
 

@@ -107,3 +107,56 @@ def test_learner_imports_nothing_of_the_task():
   forbidden = [m for m in loaded if unit_of(m) in (
       "memory", "cmi", "evaluation", "task")]
   assert not forbidden, forbidden
+
+
+def import_graph() -> dict[str, set[str]]:
+  """`{module: the cmimem_jax modules it imports}` (any depth, type-checking
+  imports included: a circle there is still a circle of the design)."""
+  found = modules()
+  return {module: {t for t in imports_of(path, module)
+                   if t in found and t != module}
+          for module, path in found.items()}
+
+
+def import_circle(graph: dict[str, set[str]]) -> list[str]:
+  """One circle of `graph` (`[a, b, ..., a]`), or [] when it has none."""
+  state: dict[str, int] = {}  # 1: on the current path, 2: done.
+  path: list[str] = []
+
+  def visit(module: str) -> list[str]:
+    state[module] = 1
+    path.append(module)
+    for target in sorted(graph[module]):
+      if state.get(target) == 1:
+        return path[path.index(target):] + [target]
+      if target not in state and (circle := visit(target)):
+        return circle
+    path.pop()
+    state[module] = 2
+    return []
+
+  for module in sorted(graph):
+    if module not in state and (circle := visit(module)):
+      return circle
+  return []
+
+
+def test_no_import_circle():
+  circle = import_circle(import_graph())
+  assert not circle, " -> ".join(circle)
+
+
+def test_the_circle_finder_sees_a_circle():
+  assert import_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+      "a", "b", "c", "a"]
+  assert import_circle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def test_the_estimator_reads_no_bank_storage():
+  # The CMI estimator takes what conditioning needs from the bank's own
+  # methods (`MemoryBank.conditioning_pool`), never its stores.
+  readers = [f"{path.relative_to(ROOT)}:{node.lineno}"
+             for path in (PACKAGE / "cmi").rglob("*.py")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "stores"]
+  assert not readers, readers

@@ -119,7 +119,7 @@ def test_skip_cases_are_built_as_stated(locomo_dialogues):
   another conversation's, plus all of them, plus the statements verbatim;
   verbatim storage covers every statement (cosine 1), nothing stored
   none."""
-  from cmimem_jax.cmi.reward import RewardComputer, RewardConfig
+  from cmimem_jax.task.reward import RewardComputer, RewardConfig
   from cmimem_jax.data.fragments import user_statements
   dialogue, other = locomo_dialogues[0], locomo_dialogues[1]
   built = skip_calibration.cases(dialogue, other, ENCODER, memory_defaults())

@@ -14,8 +14,6 @@ import numpy as np
 import pytest
 
 from cmimem_jax.cmi.logprob import profile_messages
-from cmimem_jax.cmi.reward import RewardComputer, RewardConfig, RolloutInput
-from cmimem_jax.cmi.skip_table import calibrated
 from cmimem_jax.config import ConfigError, apply_overrides
 from cmimem_jax.evaluation.answering import MemoryContext
 from cmimem_jax.evaluation.judges import context_recall
@@ -25,6 +23,8 @@ from cmimem_jax.sampling import EngineHooks
 from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
 from cmimem_jax.task.episode import apply_to_copy
 from cmimem_jax.task.loop import Trainer, plan_sessions, training_dialogues
+from cmimem_jax.task.reward import RewardComputer, RewardConfig, RolloutInput
+from cmimem_jax.task.skip_table import calibrated
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import skip_report  # noqa: E402

@@ -152,8 +152,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-from cmimem_jax.cmi import banked_rho, gaussian_shaping, residual_cmi  # noqa: E402
+from cmimem_jax.cmi import banked_rho, residual_cmi  # noqa: E402
 from cmimem_jax.cmi.conditioning import ConditioningConfig  # noqa: E402
+from cmimem_jax.task.reward import gaussian_shaping  # noqa: E402
 
 LAM = 1e-4
 

@@ -49,8 +49,8 @@ import numpy as np  # noqa: E402
 from absl import flags, logging  # noqa: E402
 from scipy.stats import rankdata  # noqa: E402
 
-from cmimem_jax.cmi.reward import (RewardComputer, RewardConfig,  # noqa: E402
-                                   gaussian_shaping, normalize_text)
+from cmimem_jax.task.reward import (RewardComputer, RewardConfig,  # noqa: E402
+                                    gaussian_shaping, normalize_text)
 from cmimem_jax.config import run_command, validate_config  # noqa: E402
 from cmimem_jax.data import Dialogue, load_dataset  # noqa: E402
 from cmimem_jax.data.files import (write_atomic, write_figure,  # noqa: E402

@@ -18,7 +18,7 @@ thresholds are the encoder's own (an encoder decides what a cosine
 means): this tool chooses them for the `encoder` section of `--config`
 (any config: a training config's own section is the one its run uses)
 and writes them to `--table` under that encoder's identity
-(`cmi.skip_table`; default: the packaged table). A training run whose
+(`task.skip_table`; default: the packaged table). A training run whose
 encoder has no entry refuses to start.
 
 For every session t with user statements of the chosen conversations,
@@ -71,9 +71,9 @@ import numpy as np  # noqa: E402
 from absl import flags, logging  # noqa: E402
 
 from cmimem_jax.cmi.banked import banked_rho  # noqa: E402
-from cmimem_jax.cmi.reward import (RewardComputer, RewardConfig,  # noqa: E402
-                                   RolloutInput, skip_coverage)
-from cmimem_jax.cmi.skip_table import table_path, write_entry  # noqa: E402
+from cmimem_jax.task.reward import (RewardComputer, RewardConfig,  # noqa: E402
+                                    RolloutInput, skip_coverage)
+from cmimem_jax.task.skip_table import table_path, write_entry  # noqa: E402
 from cmimem_jax.config import run_command, validate_config  # noqa: E402
 from cmimem_jax.data import Dialogue, load_dataset  # noqa: E402
 from cmimem_jax.data.files import write_atomic, write_json  # noqa: E402
@@ -383,5 +383,5 @@ if __name__ == "__main__":
                       "dataset.path when its dataset is LoCoMo).")
   flags.DEFINE_string("table", "", "The calibration table the encoder's "
                       "entry is written to (default: the packaged one, "
-                      "cmimem_jax/cmi/skip_calibration.json).")
+                      "cmimem_jax/task/skip_calibration.json).")
   run_command(main, workdir=False)

@@ -32,7 +32,7 @@ def memory_text(bank: MemoryBank, max_entries: int = 20) -> str:
   `max_entries` entries of each type."""
   lines = ["Core memory:", bank.core.strip() or "(empty)"]
   for memory_type in ENTRY_TYPES:
-    entries = bank.stores[memory_type].entries[-max_entries:]
+    entries = bank.entries(memory_type)[-max_entries:]
     lines.append(f"{memory_type.value.capitalize()} memories:")
     lines += [f"- {e.text}" for e in entries] or ["(none)"]
   return "\n".join(lines)

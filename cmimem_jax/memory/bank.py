@@ -34,6 +34,24 @@ class SearchHit:
   score: float  # Cosine similarity to the query.
 
 
+@dataclasses.dataclass(frozen=True)
+class ConditioningPool:
+  """What a bank offers the CMI estimator to condition on (§3.3: all of
+  `M_{t-1}`, the core block included; App. F's recency term).
+
+  Attributes:
+    vectors: `[n, dim]` float32 embeddings of every entry, entry types in
+      order (rows as `MemoryBank.entries()`).
+    episodic_newest: `[n_episodic]` int64 rows of `vectors` holding the
+      episodic entries, newest first (by `created_step`, then position).
+    core_lines: The core block's non-empty lines, stripped: each one a
+      memory (the core is not indexed, so the estimator embeds them).
+  """
+  vectors: np.ndarray
+  episodic_newest: np.ndarray
+  core_lines: tuple[str, ...]
+
+
 class TypedStore:
   """Entries of one memory type and their embeddings, searchable by cosine.
 
@@ -140,6 +158,30 @@ class MemoryBank:
 
   def __len__(self) -> int:
     return sum(len(s) for s in self.stores.values())
+
+  def vectors(self, memory_type: MemoryType | None = None) -> np.ndarray:
+    """`[n, dim]` float32 embeddings of `entries(memory_type)`, row i
+    belonging to entry i (read-only: a bank's arrays are shared by its
+    copies)."""
+    if memory_type is not None:
+      return self.stores[memory_type].vectors
+    return np.concatenate([self.stores[t].vectors for t in ENTRY_TYPES])
+
+  def core_lines(self) -> list[str]:
+    """The core block's non-empty lines, stripped."""
+    return [line.strip() for line in self.core.splitlines() if line.strip()]
+
+  def conditioning_pool(self) -> ConditioningPool:
+    """The memories of this bank (as `M_{t-1}`) that a CMI conditioning set
+    is drawn from (`cmi.estimator`)."""
+    offset = sum(len(self.stores[t]) for t in
+                 ENTRY_TYPES[:ENTRY_TYPES.index(MemoryType.EPISODIC)])
+    episodic = self.stores[MemoryType.EPISODIC].entries
+    newest = sorted(range(len(episodic)),
+                    key=lambda i: (episodic[i].created_step, i), reverse=True)
+    return ConditioningPool(self.vectors(),
+                            np.asarray(newest, np.int64) + offset,
+                            tuple(self.core_lines()))
 
   def recent(self, memory_type: MemoryType, n: int) -> list[MemoryEntry]:
     """The `n` most recently created entries of a type, newest first."""

@@ -21,8 +21,6 @@ from collections.abc import Callable
 import numpy as np
 
 from cmimem_jax import storage
-from cmimem_jax.cmi import RewardComputer, RewardConfig, RolloutInput
-from cmimem_jax.cmi.skip_table import calibrated
 from cmimem_jax.config import ConfigError, qa_chunk_budget, validate_config
 from cmimem_jax.data import Dialogue, WorkdirLock, load_configured, path_under
 from cmimem_jax.data.files import write_json
@@ -33,6 +31,8 @@ from cmimem_jax.memory.bank import embed_texts
 from cmimem_jax.memory.builder import BuildStep, Responder
 from cmimem_jax.memory.builder import build_bank as run_policy
 from cmimem_jax.memory.dsl import ParsedResponse, rendered_response
+from cmimem_jax.task.reward import RewardComputer, RewardConfig, RolloutInput
+from cmimem_jax.task.skip_table import calibrated
 
 
 def annotation_responder(dialogue: Dialogue) -> Responder:

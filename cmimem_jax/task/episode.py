@@ -13,8 +13,6 @@ from typing import Any
 import numpy as np
 
 from cmimem_jax.client import Messages
-from cmimem_jax.cmi.reward import (RewardComputer, RewardTerms, RolloutInput,
-                                   token_weights)
 from cmimem_jax.data.types import Dialogue, Question, Session
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.memory.apply import MemoryEditors, apply_response
@@ -24,6 +22,8 @@ from cmimem_jax.memory.dsl import ParsedResponse, parse
 from cmimem_jax.memory.prompt_builder import build_policy_messages
 from cmimem_jax.memory.retrieval import retrieve_per_type
 from cmimem_jax.task.qa_reward import PendingQA, QAReward
+from cmimem_jax.task.reward import (RewardComputer, RewardTerms, RolloutInput,
+                                    token_weights)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,9 +37,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cmimem_jax import storage
 from cmimem_jax.cmi.logprob import PolicyProfileLM
-from cmimem_jax.cmi.reward import (NO_EXPERT_RESPONSE, RewardComputer,
-                                   RewardConfig)
-from cmimem_jax.cmi.skip_table import calibrated
 from cmimem_jax.config import (Interrupted, check_failures, finite_number,
                                register_section, validate_config,
                                write_config)
@@ -74,6 +71,9 @@ from cmimem_jax.task.episode import (Episode, RolloutScorer,
                                      score_rollouts, session_questions)
 from cmimem_jax.task.qa_reward import QAReward
 from cmimem_jax.task.report import session_line, summary_text, written_memory
+from cmimem_jax.task.reward import (NO_EXPERT_RESPONSE, RewardComputer,
+                                    RewardConfig)
+from cmimem_jax.task.skip_table import calibrated
 from cmimem_jax.task.snapshots import (build_snapshots, expert_responses,
                                        load_expert_snapshots, load_snapshots,
                                        save_snapshots)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
 from cmimem_jax.config import qa_chunk_budget
+from cmimem_jax.data.types import Dialogue, Question
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.evaluation.answering import (JudgedAnswer, MemoryContext,
                                              answer_and_judge)
@@ -20,8 +21,15 @@ from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.retrieval import DEFAULT_CHUNK_BUDGET_CHARS
 from cmimem_jax.memory.types import MemoryType
 
-if TYPE_CHECKING:  # The episode module imports this one.
-  from cmimem_jax.task.episode import Episode
+class QASession(Protocol):
+  """What `r_QA` reads of a session's episode (`task.episode.Episode`):
+  its dialogue (the source turns) and its QA pairs."""
+
+  @property
+  def dialogue(self) -> Dialogue: ...
+
+  @property
+  def questions(self) -> tuple[Question, ...]: ...
 
 
 QAResult = tuple[float, dict[MemoryType, int]]
@@ -86,10 +94,10 @@ class QAReward:
     return cls(encoder, config.qa.judge, config.qa.top_k,
                qa_chunk_budget(config.memory), answerer, judge)
 
-  def __call__(self, bank: MemoryBank, episode: Episode) -> QAResult:
+  def __call__(self, bank: MemoryBank, episode: QASession) -> QAResult:
     return self.submit(bank, episode).wait()
 
-  def submit(self, bank: MemoryBank, episode: Episode) -> PendingQA:
+  def submit(self, bank: MemoryBank, episode: QASession) -> PendingQA:
     """Retrieves every question's context now and sends its answer call
     (each judged as soon as it is answered, `answer_and_judge`); the
     calls run in the endpoints' pools while the caller goes on."""

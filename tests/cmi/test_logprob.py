@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cmimem_jax.cmi import (PolicyProfileLM, RewardComputer, RewardConfig,
-                            RolloutInput, memory_text)
+from cmimem_jax.cmi import PolicyProfileLM, memory_text
 from cmimem_jax.encoders import HashingEncoder
 from cmimem_jax.memory import (Action, MemoryBank, MemoryType, Operation,
                                apply_operations, parse)
@@ -16,6 +15,7 @@ from cmimem_jax.models.qwen3 import Qwen3, preset
 from cmimem_jax.rl import mean_continuation_logprobs
 from cmimem_jax.sampling import ChatPolicy
 from cmimem_jax.sampling.policy import load_tokenizer
+from cmimem_jax.task.reward import RewardComputer, RewardConfig, RolloutInput
 
 ENCODER = HashingEncoder(64)
 

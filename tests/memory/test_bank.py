@@ -153,3 +153,28 @@ def test_a_failed_save_leaves_no_half_written_version(tmp_path, encoder):
     broken.save(str(tmp_path / "bank"))
   assert not [n for n in os.listdir(tmp_path / "bank") if n.startswith(".tmp")]
   assert MemoryBank.load(str(tmp_path / "bank")) == bank
+
+
+def test_conditioning_pool_is_every_entry_and_the_newest_episodes(encoder):
+  bank = MemoryBank("u", encoder.dim)
+  bank.core = "Name: Ana\n\n  Lives in Porto  \n"
+  for step, texts in enumerate((("older trip", "older dinner"),
+                                ("newest trip", "newest dinner"))):
+    bank, _ = apply_operations(
+        bank, [Operation(MemoryType.SEMANTIC, Action.ADD, (f"fact {step}",))]
+        + [Operation(MemoryType.EPISODIC, Action.ADD, (t,)) for t in texts],
+        encoder, session_index=step)
+  pool = bank.conditioning_pool()
+  entries = bank.entries()
+  assert pool.vectors.shape == (len(entries), encoder.dim)
+  for row, entry in enumerate(entries):
+    typed = bank.entries(entry.memory_type)
+    assert np.array_equal(pool.vectors[row], bank.vectors(entry.memory_type)[
+        typed.index(entry)])
+  # Newest session first; within a session, the later-written entry first.
+  assert [entries[row].text for row in pool.episodic_newest] == [
+      "newest dinner", "newest trip", "older dinner", "older trip"]
+  assert pool.core_lines == ("Name: Ana", "Lives in Porto")
+  empty = MemoryBank("u", encoder.dim).conditioning_pool()
+  assert empty.vectors.shape == (0, encoder.dim) and not len(
+      empty.episodic_newest) and empty.core_lines == ()

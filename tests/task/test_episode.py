@@ -12,12 +12,12 @@ import pytest
 from cmimem_jax.data import Session, Turn
 from cmimem_jax.memory import (Action, MemoryBank, MemoryType, Operation,
                                apply_operations)
-from cmimem_jax.cmi.reward import _token_weights_any_order, token_weights
 from cmimem_jax.sampling import load_tokenizer
 from cmimem_jax.sampling.policy import ChatPolicy
 from cmimem_jax.task.episode import (attribution_weights,
                                      fitted_policy_messages, policy_messages,
                                      prefix_char_offsets, token_char_offsets)
+from cmimem_jax.task.reward import _token_weights_any_order, token_weights
 
 TEXT = "CORE:APPEND|Owns Rex\nEPISODIC:ADD|a walk\nSEMANTIC:ADD|Rex is a beagle"
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from cmimem_jax.client import CallResult
-from cmimem_jax.cmi.reward import NO_EXPERT_RESPONSE
 from cmimem_jax.config import CallsFailed, check_failures
 from cmimem_jax.memory import MemoryBank
 from cmimem_jax.rl import read_metrics
@@ -22,6 +21,7 @@ from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
 from cmimem_jax.task.curriculum import SessionRef
 from cmimem_jax.task.episode import policy_messages
 from cmimem_jax.task.loop import Trainer
+from cmimem_jax.task.reward import NO_EXPERT_RESPONSE
 from cmimem_jax.task.snapshots import (TEACHER_LOG, expert_responses,
                                        teacher_records)
 

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from cmimem_jax.client import CallResult, EndpointConfig, OpenAIClient
-from cmimem_jax.cmi.reward import RewardComputer, RolloutInput
 from cmimem_jax.config import memory_defaults
 from cmimem_jax.data import bundled_path, load_dataset
 from cmimem_jax.encoders import HashingEncoder
@@ -27,6 +26,7 @@ from cmimem_jax.memory.dsl import parse
 from cmimem_jax.task.episode import (Episode, RolloutScorer, apply_to_copy,
                                      score_rollouts, session_questions)
 from cmimem_jax.task.qa_reward import QAReward
+from cmimem_jax.task.reward import RewardComputer, RolloutInput
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..",
                                 "tools"))

@@ -4,11 +4,12 @@ import ml_collections
 import numpy as np
 import pytest
 
-from cmimem_jax.cmi.reward import NO_EXPERT_RESPONSE
-from cmimem_jax.cmi.skip_table import calibrated
-from cmimem_jax.cmi import (RewardComputer, RewardConfig, RolloutInput,
-                            banked_rho, gaussian_shaping, operation_score,
-                            reward_defaults, token_weights)
+from cmimem_jax.cmi import banked_rho
+from cmimem_jax.task.reward import (NO_EXPERT_RESPONSE, RewardComputer,
+                                    RewardConfig, RolloutInput,
+                                    gaussian_shaping, operation_score,
+                                    reward_defaults, token_weights)
+from cmimem_jax.task.skip_table import calibrated
 from cmimem_jax.data.fragments import user_statements
 from cmimem_jax.encoders import HashingEncoder
 from cmimem_jax.encoders.neural import MiniLMEncoder, minilm_directory
@@ -17,7 +18,7 @@ from cmimem_jax.memory import (Action, MemoryBank, MemoryType, Operation,
 
 ENCODER = HashingEncoder(256)
 # Coverage thresholds for the tests' hashing encoder (not a calibration:
-# configs read theirs from cmi.skip_table).
+# configs read theirs from task.skip_table).
 SKIP_RULE = {"semantic_skip_cosine": 0.5, "semantic_skip_coverage": 0.5}
 CALIBRATED = RewardConfig(**SKIP_RULE)
 CONTEXT = "user: I adopted a beagle named Rex and I walk him every morning"
@@ -461,7 +462,7 @@ def test_skip_thresholds_are_the_encoders_own_calibration(tmp_path):
   configs' encoders, not Qwen3-Embedding (the 4B configs refuse to train
   until calibrated); a table the tool wrote supplies its encoder's, and
   a rewrite replaces that encoder's entry."""
-  from cmimem_jax.cmi.skip_table import calibrated, read_table, write_entry
+  from cmimem_jax.task.skip_table import calibrated, read_table, write_entry
   from cmimem_jax.config import ConfigError
   from cmimem_jax.encoders import encoder_identity
   from configs import qwen3_4b, small_repro, tiny

@@ -1,4 +1,6 @@
-"""The CMI-Mem reward (paper §3.3, Eq. 10-12, App. D; SPEC §4.3-4.4).
+"""The CMI-Mem reward a GRPO step is given (paper §3.3, Eq. 10-12, App. D;
+SPEC §4.3-4.4), composed from the CMI estimate (`cmi.estimator`) and the
+QA term (`task.qa_reward`).
 
 Per rollout (one DSL response for a session `C_t` on a bank `M_{t-1}`):
 
@@ -16,10 +18,11 @@ Per rollout (one DSL response for a session `C_t` on a bank `M_{t-1}`):
    response where fixed expert states give one, and only on a positive
    reward.
 4. Attribution: the DSL lines of the memory type retrieved most while
-   answering the session's QA get loss weight `attribution_weight`.
+   answering the session's QA get loss weight `attribution_weight`
+   (`token_weights` turns them into per-token loss weights).
 
-All operations of all rollouts go through one `banked_rho` call. Every term
-is returned separately for logging.
+All operations of all rollouts go through one estimator call (one
+`banked_rho` call). Every term is returned separately for logging.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from collections.abc import Mapping, Sequence
 import ml_collections
 import numpy as np
 
-from cmimem_jax.cmi.banked import banked_rho
 from cmimem_jax.cmi.conditioning import ConditioningConfig
+from cmimem_jax.cmi.estimator import (BankOperations, CMIEstimator,
+                                      OperationTexts)
 from cmimem_jax.cmi.logprob import ProfileLM, profile_messages
 from cmimem_jax.config import register_section
 from cmimem_jax.data.fragments import user_statements
@@ -64,8 +68,9 @@ class RewardConfig:
   shaping: str = "gaussian"  # "gaussian" | "none" (ablation: raw s)
   # "residual": ρ on the local conditioning set (§3.3, the method);
   # "cosine": unconditional cos(e_C, e_new) for every operation (Table 9
-  # "w. emb", our reading of it); "logprob": App. E (`cmi.logprob`), one
-  # Δ per rollout from a reference LM's Listing 8 profile.
+  # "w. emb", our reading of it): both `cmi.estimator`; "logprob": App. E
+  # (`cmi.logprob`), one Δ per rollout from a reference LM's Listing 8
+  # profile.
   estimator: str = "residual"
   profile_max_new_tokens: int = 256  # Listing 8 profile length (logprob).
   mu: float = 0.35
@@ -408,37 +413,21 @@ def _scored_operations(rollout: RolloutInput
   return scored
 
 
-def _bucket(size: int, multiple: int) -> int:
-  return max(multiple, int(math.ceil(size / multiple)) * multiple)
+def _operation_texts(scored: list[tuple[Operation, str, str | None]]
+                     ) -> list[OperationTexts]:
+  """What the estimator scores of each `_scored_operations` item: an entry
+  UPDATE's or a core REPLACE's old text also steers its retrieval query
+  (Eq. 17); a REWRITE's previous block is only scored."""
+  return [OperationTexts(new, old, old is not None and op.action in (
+      Action.UPDATE, Action.REPLACE)) for op, new, old in scored]
 
 
-def core_lines(bank: MemoryBank) -> list[str]:
-  """The core block's non-empty lines: each is one memory of `M_{t-1}`."""
-  return [line.strip() for line in bank.core.splitlines() if line.strip()]
-
-
-def _bank_arrays(bank: MemoryBank, embeddings: dict[str, np.ndarray]
-                 ) -> tuple[np.ndarray, np.ndarray]:
-  """The conditioning pool (§3.3: all of `M_{t-1}`, core included): entry
-  vectors in type order, then the core lines; and the newest episodic
-  positions."""
-  lines = core_lines(bank)
-  core = (np.stack([embeddings[line] for line in lines]) if lines else
-          np.zeros((0, bank.dim), np.float32))
-  vectors = np.concatenate([bank.stores[t].vectors for t in ENTRY_TYPES]
-                           + [core.astype(np.float32)])
-  episodic = bank.stores[MemoryType.EPISODIC].entries
-  order = sorted(range(len(episodic)),
-                 key=lambda i: (episodic[i].created_step, i), reverse=True)
-  return vectors, np.asarray(order, np.int64)  # Episodic is type 0.
-
-
-def _cosines(context: np.ndarray, texts: np.ndarray) -> np.ndarray:
-  """`[Bk, O]` cos(e_C, e_text) of `[Bk, d]` contexts and `[Bk, O, d]` texts
-  (zero rows give 0)."""
-  unit = lambda x: x / np.maximum(  # noqa: E731
-      np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-  return np.einsum("bd,bod->bo", unit(context), unit(texts))
+def _estimator_items(rollouts: Sequence[RolloutInput],
+                     scored: list[list[tuple[Operation, str, str | None]]]
+                     ) -> list[BankOperations]:
+  """The rollouts' scored operations as the CMI estimator takes them."""
+  return [BankOperations(r.bank, r.context, _operation_texts(ops))
+          for r, ops in zip(rollouts, scored)]
 
 
 def _session_lines(context: str) -> list[str]:
@@ -447,7 +436,8 @@ def _session_lines(context: str) -> list[str]:
 
 
 class RewardComputer:
-  """Scores batches of rollouts; one `banked_rho` call per batch."""
+  """Scores batches of rollouts; one estimator (`banked_rho`) call per
+  batch."""
 
   def __init__(self, encoder: Encoder, config: RewardConfig = RewardConfig(),
                profile_lm: ProfileLM | None = None):
@@ -457,6 +447,9 @@ class RewardComputer:
     self.encoder = encoder
     self.config = config
     self.profile_lm = profile_lm
+    self.estimator = CMIEstimator(
+        encoder.dim, "cosine" if config.estimator == "cosine" else "residual",
+        config.lam, config.conditioning, config.min_memories)
     self._generic = [re.compile(p, re.IGNORECASE)
                      for p in config.generic_core_patterns]
 
@@ -477,77 +470,13 @@ class RewardComputer:
     rollouts = [RolloutInput(bank, context, ParsedResponse("", tuple(ops), ()))
                 for bank, context, ops in items]
     scored = [_scored_operations(r) for r in rollouts]
-    texts = {r.context for r in rollouts}
-    for rollout in rollouts:
-      texts.update(core_lines(rollout.bank))
-    for ops in scored:
-      for _, new_text, old_text in ops:
-        texts.update(t for t in (new_text, old_text) if t is not None)
-    ordered = sorted(texts)
+    estimated = _estimator_items(rollouts, scored)
+    ordered = sorted(self.estimator.texts(estimated))
     embeddings = dict(zip(ordered, embed_texts(self.encoder, ordered)))
-    rhos = self._rho(rollouts, scored, embeddings)
+    rhos = self.estimator.rho(estimated, embeddings)
     return [[(new, old if old_text is not None else None)
              for (new, old), (_, _, old_text) in zip(rho, ops)]
             for rho, ops in zip(rhos, scored)]
-
-  # -- batched CMI ---------------------------------------------------------
-
-  def _rho(self, rollouts: Sequence[RolloutInput],
-           scored: list[list[tuple[Operation, str, str | None]]],
-           embeddings: dict[str, np.ndarray]
-           ) -> list[list[tuple[float, float]]]:
-    """rho(new), rho(old) for every scored op, grouped by bank."""
-    groups: dict[int, list[int]] = collections.defaultdict(list)
-    for i, rollout in enumerate(rollouts):
-      if scored[i]:
-        groups[id(rollout.bank)].append(i)
-    results: list[list[tuple[float, float]]] = [[] for _ in rollouts]
-    if not groups:
-      return results
-    members = list(groups.values())
-    bank_data = [_bank_arrays(rollouts[g[0]].bank, embeddings)
-                 for g in members]
-    m = _bucket(max(len(v) for v, _ in bank_data), 32)
-    o = _bucket(max(sum(len(scored[i]) for i in g) for g in members), 16)
-    n_recent = self.config.conditioning.n_recent
-    dim = self.encoder.dim
-    vectors = np.zeros((len(members), m, dim), np.float32)
-    valid = np.zeros((len(members), m), bool)
-    recent = -np.ones((len(members), n_recent), np.int64)
-    ctx = np.zeros((len(members), dim), np.float32)
-    new = np.zeros((len(members), o, dim), np.float32)
-    old = np.zeros((len(members), o, dim), np.float32)
-    has_old = np.zeros((len(members), o), bool)
-    for b, (group, (bank_vectors, episodic_order)) in enumerate(
-        zip(members, bank_data)):
-      vectors[b, :len(bank_vectors)] = bank_vectors
-      valid[b, :len(bank_vectors)] = True
-      newest = episodic_order[:n_recent]
-      recent[b, :len(newest)] = newest
-      ctx[b] = embeddings[rollouts[group[0]].context]
-      slot = 0
-      for i in group:
-        for op, new_text, old_text in scored[i]:
-          new[b, slot] = embeddings[new_text]
-          if old_text is not None:
-            old[b, slot] = embeddings[old_text]
-            has_old[b, slot] = op.action in (Action.UPDATE, Action.REPLACE)
-          slot += 1
-    if self.config.estimator == "cosine":
-      rho_new, rho_old = _cosines(ctx, new), _cosines(ctx, old)
-    else:
-      rho_new, rho_old, _, _ = banked_rho(
-          vectors, valid, recent, ctx, new, old, has_old, lam=self.config.lam,
-          config=self.config.conditioning,
-          min_memories=self.config.min_memories)
-      rho_new, rho_old = np.asarray(rho_new), np.asarray(rho_old)
-    for b, group in enumerate(members):
-      slot = 0
-      for i in group:
-        for _ in scored[i]:
-          results[i].append((float(rho_new[b, slot]), float(rho_old[b, slot])))
-          slot += 1
-    return results
 
   def _logprob_rho(self, rollouts: Sequence[RolloutInput],
                    scored: list[list[tuple[Operation, str, str | None]]]
@@ -584,7 +513,7 @@ class RewardComputer:
     out = {}
     for i in which:
       statements = rollouts[i].statements()
-      stored = rollouts[i].bank.stores[MemoryType.SEMANTIC].vectors
+      stored = rollouts[i].bank.vectors(MemoryType.SEMANTIC)
       if not statements or not len(stored):
         out[i] = np.zeros(len(statements), np.float32)
         continue
@@ -600,14 +529,8 @@ class RewardComputer:
     """Reward terms for each rollout, in order."""
     scored = [_scored_operations(r) if r.response.valid else []
               for r in rollouts]
-    texts = {r.context for r in rollouts}
-    for rollout in rollouts:
-      texts.update(core_lines(rollout.bank))
-    for ops in scored:
-      for _, new_text, old_text in ops:
-        texts.add(new_text)
-        if old_text is not None:
-          texts.add(old_text)
+    items = _estimator_items(rollouts, scored)
+    texts = self.estimator.texts(items)
     entry_texts = {op.new_text for r in rollouts if r.response.valid
                    for op in r.response.operations
                    if op.memory_type is not MemoryType.CORE and op.writes}
@@ -624,7 +547,7 @@ class RewardComputer:
       scored = [[(op, new, None) for op, new, _ in ops] for ops in scored]
       rhos = self._logprob_rho(rollouts, scored)
     else:
-      rhos = self._rho(rollouts, scored, embeddings)
+      rhos = self.estimator.rho(items, embeddings)
     if skips and not self.config.skip_calibrated:
       raise ValueError("a semantic SKIP needs the encoder's calibration "
                        "(reward.semantic_skip_cosine / _coverage: "
@@ -745,7 +668,7 @@ class RewardComputer:
     stored_text = {normalize_text(e.text) for e in bank.entries()}
     stored_text |= {normalize_text(line) for line in bank.core.splitlines()}
     stored_text.discard("")
-    stored = np.concatenate([bank.stores[t].vectors for t in ENTRY_TYPES])
+    stored = bank.vectors()
     return sum(self._is_duplicate(op.new_text, embeddings[op.new_text],
                                   stored_text, stored)
                for op in writes) / len(writes)
