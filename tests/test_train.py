@@ -70,6 +70,7 @@ class ScriptedEngine(EngineHooks):
 
   def __init__(self, tokenizer):
     self.tokenizer = tokenizer
+    self.prompts = []  # Every prompt row asked for, in order.
 
   def set_model(self, model):
     del model
@@ -77,6 +78,7 @@ class ScriptedEngine(EngineHooks):
   def generate(self, prompts, key, temperature, top_p, max_new_tokens,
                row_budgets=None, constrained=True):
     del key, temperature, top_p, max_new_tokens, row_budgets, constrained
+    self.prompts += [list(p) for p in prompts]
     tokenizer = self.tokenizer
     length = bucket_length(max(len(p) for p in prompts), TINY_BUCKETS)
     prompt_tokens, prompt_mask = left_pad(prompts, length, 0)
@@ -110,6 +112,11 @@ def test_logged_reward_terms_equal_direct_computation(tmp_path):
   # reward module on the same inputs.
   episodes = [loop.episode(r) for r in loop.curriculum.batch(0)]
   group = config.rollout.num_rollouts
+  # The rollouts' prompts are the one policy prompt (`loop.prompter`, as
+  # evaluation's: tests/task/test_policy_prompt.py), each once per rollout.
+  assert loop.policy.engine.prompts == [
+      loop.policy.encode(loop.prompter(e.bank, e.session))
+      for e in episodes for _ in range(group)]
   rollouts = []
   for row in range(len(episodes) * group):
     episode = episodes[row // group]

@@ -6,9 +6,10 @@ evaluation and training all use it."""
 from cmimem_jax.client.openai_compatible import (CallResult, ChatModel,
                                                  EndpointConfig, FailureLog,
                                                  MalformedResponse, Messages,
-                                                 OpenAIClient, classify_error,
-                                                 submit_chats, then)
+                                                 OpenAIClient, PromptFits,
+                                                 classify_error, submit_chats,
+                                                 then)
 
 __all__ = ["CallResult", "ChatModel", "EndpointConfig", "FailureLog",
-           "MalformedResponse", "Messages", "OpenAIClient", "classify_error",
-           "submit_chats", "then"]
+           "MalformedResponse", "Messages", "OpenAIClient", "PromptFits",
+           "classify_error", "submit_chats", "then"]

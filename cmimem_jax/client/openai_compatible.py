@@ -31,6 +31,9 @@ import numpy as np
 from cmimem_jax.config import EndpointConfig
 
 Messages = list[dict[str, str]]
+# Whether a prompt fits the prompt budget of the model that reads it (a
+# local policy's: `ChatPolicy.prompt_fits`).
+PromptFits = Callable[[Messages], bool]
 
 
 @dataclasses.dataclass

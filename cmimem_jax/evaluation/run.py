@@ -125,7 +125,8 @@ def make_chat_model(section: Any, constraint_regex: str | None = None
   return ChatPolicy.jax(
       model, tokenizer,
       model.config.max_position_embeddings - section.max_new_tokens,
-      constraint=constraint, max_new_tokens=section.max_new_tokens)
+      constraint=constraint, max_new_tokens=section.max_new_tokens,
+      prompt_limit_name="the local model's context less its max_new_tokens")
 
 
 def context_provider(dialogue: Dialogue, encoder: Encoder, config,

@@ -1,14 +1,18 @@
-"""Fills the method's prompt templates from banks, sessions and questions."""
+"""Fills the method's prompt templates from banks, sessions and questions;
+`PolicyPrompter`, the one place the policy's prompt is built."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Mapping, Sequence
 
+from cmimem_jax.client import Messages, PromptFits
 from cmimem_jax.data.types import Session
+from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.memory.bank import MemoryBank, SearchHit
 from cmimem_jax.memory.prompts import render_template
-from cmimem_jax.memory.retrieval import Chunk
+from cmimem_jax.memory.retrieval import Chunk, retrieve_per_type
 from cmimem_jax.memory.types import MemoryType
 
 NONE_TEXT = "(none)"
@@ -52,6 +56,51 @@ def build_policy_messages(bank: MemoryBank, session: Session,
       session_text=session.format())
   return [{"role": "system", "content": render_template("policy_system")},
           {"role": "user", "content": user}]
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyPrompter:
+  """The policy's prompt for a session `C_t` on a bank `M_{t-1}`
+  (Listings 6-7), one path for every reader: training's rollouts,
+  validation and policy-built snapshots, evaluation's `policy` builder,
+  the warm start's teacher records.
+
+  The core block in full, the session, and the `top_k` entries of each
+  type closest to the session text (none from an empty bank, nor with
+  `top_k` = 0: no encoder call). With `fits` (the prompt budget of the
+  model that reads the prompt, e.g. `ChatPolicy.prompt_fits`), a prompt it
+  rejects shows fewer retrieved entries per type, each type's least
+  similar dropped first, until it fits or none are left; a prompt that
+  does not fit even then is returned as it is, for the model to refuse
+  (`ChatPolicy.encode` names its limit).
+
+  Attributes:
+    encoder: Embeds the session text as the retrieval query.
+    top_k: Entries retrieved per entry type (Alg. 1 TopK).
+    fits: The reader's prompt budget; None: none known (an endpoint, whose
+      server's context length is its own), the prompt is never trimmed.
+  """
+  encoder: Encoder
+  top_k: int
+  fits: PromptFits | None = None
+
+  def __call__(self, bank: MemoryBank, session: Session) -> Messages:
+    return self.fitted(bank, session)[0]
+
+  def fitted(self, bank: MemoryBank, session: Session
+             ) -> tuple[Messages, int]:
+    """The messages, and how many retrieved entries per type they show
+    (`top_k`, or fewer where the budget trimmed them)."""
+    retrieved = (retrieve_per_type(bank, self.encoder, session.format(),
+                                   self.top_k)
+                 if self.top_k > 0 and len(bank) else {})
+    k = self.top_k
+    messages = build_policy_messages(bank, session, retrieved)
+    while self.fits is not None and k > 0 and not self.fits(messages):
+      k -= 1
+      messages = build_policy_messages(
+          bank, session, {t: hits[:k] for t, hits in retrieved.items()})
+    return messages, k
 
 
 def build_agent_prompt(memory_type: MemoryType, bank: MemoryBank,

@@ -11,7 +11,7 @@ from cmimem_jax.sampling.policy import (ChatPolicy, check_vocabulary,
                                         encode_chat, load_policy,
                                         load_policy_and_tokenizer,
                                         load_tokenizer, policy_tokenizer_path,
-                                        special_ids)
+                                        special_ids, token_budget)
 from cmimem_jax.sampling.sampler import (SampleOutput, Sampler, SamplingConfig,
                                          bucket_length, left_pad, sample_token)
 
@@ -20,4 +20,4 @@ __all__ = ["ChatPolicy", "EngineHooks", "GenerationEngine", "SampleOutput", "Sam
            "checkpoint_tokenizer_path", "encode_chat", "left_pad",
            "load_policy", "load_policy_and_tokenizer", "load_tokenizer",
            "policy_tokenizer_path", "sample_token", "special_ids",
-           "TokenConstraint"]
+           "token_budget", "TokenConstraint"]

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from cmimem_jax import storage
-from cmimem_jax.client import CallResult, ChatModel, Messages
+from cmimem_jax.client import CallResult, ChatModel, Messages, PromptFits
 from cmimem_jax.models.hf_tokenizer import load_hf_tokenizer
 from cmimem_jax.models.qwen3 import (Qwen3, Qwen3Config, load_gguf, load_hf,
                                      preset)
@@ -134,6 +134,13 @@ def encode_chat(tokenizer: Any, messages: Messages) -> list[int]:
   return list(ids)
 
 
+def token_budget(tokenizer: Any, max_prompt_tokens: int) -> PromptFits:
+  """`PromptFits` for prompts of at most `max_prompt_tokens` chat-template
+  tokens (`encode_chat`)."""
+  return lambda messages: len(encode_chat(tokenizer, messages)) <= (
+      max_prompt_tokens)
+
+
 def special_ids(tokenizer: Any) -> tuple[tuple[int, ...], int]:
   """`(eos_ids, pad_id)` of a tokenizer, as every engine needs them."""
   eos = tokenizer.eos_token_id
@@ -192,6 +199,11 @@ class ChatPolicy:
     """Generates from the latest weights (the JAX sampler keeps its
     compiled programs; vLLM receives the weights)."""
     self.engine.set_model(model)
+
+  def prompt_fits(self, messages: Messages) -> bool:
+    """Whether `encode` takes `messages` (`max_prompt_tokens`): the budget
+    the policy's prompt is fitted to (`memory.PolicyPrompter`)."""
+    return token_budget(self.tokenizer, self.max_prompt_tokens)(messages)
 
   def encode(self, messages: Messages) -> list[int]:
     ids = encode_chat(self.tokenizer, messages)

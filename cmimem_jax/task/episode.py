@@ -1,7 +1,8 @@
 """CMI-Mem episodes: one training session `C_t` with its memory state
-`M_{t-1}` — the policy prompt, applying a response to a copy of the state,
-scoring a group of rollouts (CMI terms + QA reward), and attribution token
-weights (Alg. 1, SPEC §4.4, §5)."""
+`M_{t-1}` — applying a response to a copy of the state, scoring a group
+of rollouts (CMI terms + QA reward), and attribution token weights
+(Alg. 1, SPEC §4.4, §5). The policy's prompt for an episode is
+`memory.PolicyPrompter`'s, as everywhere else."""
 
 from __future__ import annotations
 
@@ -12,15 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from cmimem_jax.client import Messages
 from cmimem_jax.data.types import Dialogue, Question, Session
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.memory.apply import MemoryEditors, apply_response
 from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.builder import core_config, count_model_edits
 from cmimem_jax.memory.dsl import ParsedResponse, parse
-from cmimem_jax.memory.prompt_builder import build_policy_messages
-from cmimem_jax.memory.retrieval import retrieve_per_type
 from cmimem_jax.task.qa_reward import PendingQA, QAReward
 from cmimem_jax.task.reward import (RewardComputer, RewardTerms, RolloutInput,
                                     token_weights)
@@ -46,37 +44,6 @@ def session_questions(dialogue: Dialogue, session: Session
 
 # Every token's own text, one string per token, in one call.
 DecodeEach = Callable[[Sequence[int]], list[str]]
-# Whether a policy prompt fits a token budget (`fitted_policy_messages`).
-PromptFits = Callable[[Messages], bool]
-
-
-def fitted_policy_messages(bank: MemoryBank, session: Session,
-                           encoder: Encoder, top_k: int,
-                           fits: PromptFits | None = None
-                           ) -> tuple[Messages, int]:
-  """`policy_messages`; with `fits`, a prompt it rejects shows fewer
-  retrieved entries per type (each type's least similar dropped first)
-  until it fits or none are left.
-
-  Returns:
-    The messages and the retrieved entries per type they show.
-  """
-  retrieved = (retrieve_per_type(bank, encoder, session.format(), top_k)
-               if top_k > 0 and len(bank) else {})
-  k = top_k
-  messages = build_policy_messages(bank, session, retrieved)
-  while fits is not None and k > 0 and not fits(messages):
-    k -= 1
-    messages = build_policy_messages(
-        bank, session, {t: hits[:k] for t, hits in retrieved.items()})
-  return messages, k
-
-
-def policy_messages(bank: MemoryBank, session: Session, encoder: Encoder,
-                    top_k: int) -> Messages:
-  """Listings 6-7 with the top-k entries per type (k = 0: no retrieval
-  index, the ablation)."""
-  return fitted_policy_messages(bank, session, encoder, top_k)[0]
 
 
 def apply_to_copy(bank: MemoryBank, session: Session, response: ParsedResponse,

@@ -46,6 +46,7 @@ from cmimem_jax.encoders import Encoder, encoder_identity, make_encoder
 from cmimem_jax.memory.builder import EDIT_COUNTERS
 from cmimem_jax.memory.compression import memory_editors
 from cmimem_jax.memory.dsl import response_regex
+from cmimem_jax.memory.prompt_builder import PolicyPrompter
 from cmimem_jax.models.attention import ATTENTION_IMPLS
 from cmimem_jax.models.host_memory import (release_free_heap,
                                           return_large_blocks)
@@ -67,8 +68,8 @@ from cmimem_jax.sampling.vllm_engine import (VLLMEngine, checkpoint_dir,
 from cmimem_jax.task.curriculum import (Curriculum, SessionRef,
                                         candidate_fragments, difficulty)
 from cmimem_jax.task.episode import (Episode, RolloutScorer,
-                                     attribution_weights, policy_messages,
-                                     score_rollouts, session_questions)
+                                     attribution_weights, score_rollouts,
+                                     session_questions)
 from cmimem_jax.task.qa_reward import QAReward
 from cmimem_jax.task.report import session_line, summary_text, written_memory
 from cmimem_jax.task.reward import (NO_EXPERT_RESPONSE, RewardComputer,
@@ -276,6 +277,16 @@ def grpo_step(config: Any, model: Qwen3, tokenizer: Any, mesh: Mesh,
   return GRPOStep(learner, policy, rollout_settings(config), constraint)
 
 
+def rollout_prompter(config: Any, encoder: Encoder, policy: ChatPolicy
+                     ) -> PolicyPrompter:
+  """The policy's prompt in training (rollouts, validation, policy-built
+  snapshots, the demo's responses): `rollout.retrieval_top_k` entries per
+  type, trimmed to the policy's prompt budget (`rollout.max_prompt_tokens`)
+  as evaluation's `policy` builder trims to its model's."""
+  return PolicyPrompter(encoder, config.rollout.retrieval_top_k,
+                        policy.prompt_fits)
+
+
 def _is_abstract(model: Qwen3) -> bool:
   return any(isinstance(x, jax.ShapeDtypeStruct)
              for x in jax.tree.leaves(nnx.state(model)))
@@ -463,6 +474,7 @@ class Trainer:
     self.group = config.rollout.num_rollouts
     self.grpo = grpo_step(config, model, tokenizer, self.mesh, workdir)
     self.learner, self.policy = self.grpo.learner, self.grpo.policy
+    self.prompter = rollout_prompter(config, self.encoder, self.policy)
     self.constraint = self.grpo.constraint
     self.total_steps = config.rl.max_steps or self.curriculum.planned_steps
     self.checkpointer = Checkpointer.for_workdir(workdir, config.checkpoint)
@@ -521,10 +533,8 @@ class Trainer:
     banks = load_snapshots(directory, self.dialogues)
     if banks is None:
       start = time.perf_counter()
-      banks = build_snapshots(self.dialogues, self._respond, self.encoder,
-                              self.config.memory,
-                              self.config.rollout.retrieval_top_k,
-                              self.editors)
+      banks = build_snapshots(self.dialogues, self._respond, self.prompter,
+                              self.encoder, self.config.memory, self.editors)
       save_snapshots(directory, banks)
       logging.info("built snapshots v%d in %.1f s", version,
                    time.perf_counter() - start)
@@ -543,9 +553,8 @@ class Trainer:
     """The held-out sessions answered greedily and scored with the full
     reward: `eval/*` metrics (mean over the sessions)."""
     episodes = [self.episode(r) for r in self.validation]
-    top_k = self.config.rollout.retrieval_top_k
-    texts = self._respond([policy_messages(e.bank, e.session, self.encoder,
-                                           top_k) for e in episodes])
+    texts = self._respond([self.prompter(e.bank, e.session)
+                           for e in episodes])
     _, terms = score_rollouts(episodes, texts, 1, self.encoder,
                               self.config.memory, self.qa, self.reward,
                               self.editors)
@@ -558,9 +567,7 @@ class Trainer:
 
   def greedy_response(self, ref: SessionRef) -> str:
     episode = self.episode(ref)
-    return self._respond([policy_messages(
-        episode.bank, episode.session, self.encoder,
-        self.config.rollout.retrieval_top_k)])[0]
+    return self._respond([self.prompter(episode.bank, episode.session)])[0]
 
   # -- one step --------------------------------------------------------------
 
@@ -578,9 +585,7 @@ class Trainer:
     release_free_heap()
     refs = self.curriculum.batch(step)
     episodes = [self.episode(r) for r in refs]
-    top_k = self.config.rollout.retrieval_top_k
-    prompts = [self.policy.encode(policy_messages(e.bank, e.session,
-                                                  self.encoder, top_k))
+    prompts = [self.policy.encode(self.prompter(e.bank, e.session))
                for e in episodes]
     self.key, key = jax.random.split(self.key)
     result = self.grpo(prompts, key, self.session_reward(episodes))

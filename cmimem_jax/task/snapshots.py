@@ -31,8 +31,9 @@ from cmimem_jax.memory.apply import MemoryEditors
 from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.builder import Responder
 from cmimem_jax.memory.dsl import ParsedResponse, parse
+from cmimem_jax.memory.prompt_builder import PolicyPrompter
 from cmimem_jax.memory.types import MemoryType
-from cmimem_jax.task.episode import apply_to_copy, policy_messages
+from cmimem_jax.task.episode import apply_to_copy
 
 # In an expert-states directory: what built it, and one record per teacher
 # response.
@@ -42,12 +43,12 @@ TEACHER_LOG = "teacher.jsonl"
 
 def build_snapshots(dialogues: Sequence[Dialogue],
                     respond: Callable[[list[Messages]], list[str]],
-                    encoder: Encoder, memory: Any, top_k: int,
+                    prompter: PolicyPrompter, encoder: Encoder, memory: Any,
                     editors: MemoryEditors = MemoryEditors()
                     ) -> list[list[MemoryBank]]:
   """`M_{t-1}` for every session of every dialogue, built by running the
-  policy (greedy) through the dialogues; session t of all dialogues is one
-  batched `respond` call.
+  policy (greedy, on `prompter`'s prompts) through the dialogues; session
+  t of all dialogues is one batched `respond` call.
 
   Returns:
     `banks[d][t]`: the bank before session t of dialogue d.
@@ -56,8 +57,8 @@ def build_snapshots(dialogues: Sequence[Dialogue],
   longest = max(len(d.sessions) for d in dialogues)
   for t in range(longest - 1):  # The last session's successor is unused.
     active = [i for i, d in enumerate(dialogues) if t + 1 < len(d.sessions)]
-    messages = [policy_messages(banks[i][t], dialogues[i].sessions[t],
-                                encoder, top_k) for i in active]
+    messages = [prompter(banks[i][t], dialogues[i].sessions[t])
+                for i in active]
     for i, text in zip(active, respond(messages)):
       session = dialogues[i].sessions[t]
       banks[i].append(apply_to_copy(banks[i][t], session, parse(text),

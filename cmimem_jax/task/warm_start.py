@@ -2,7 +2,7 @@
 
 Teacher trajectories are (policy prompt, DSL response) pairs: the prompt
 is exactly what the RL policy sees for a session (Listings 6-7 over the
-bank built so far, `episode.policy_messages`), the response a valid DSL
+bank built so far, `memory.PolicyPrompter`), the response a valid DSL
 answer — from LoCoMo's own annotations (`annotation_trajectories`), the
 user's own sentences on any dataset (`extractive_teacher`) or any chat
 model (`endpoint_teacher`; invalid answers are rejected and counted, never
@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 
 from cmimem_jax import storage
-from cmimem_jax.client import ChatModel
+from cmimem_jax.client import ChatModel, PromptFits
 from cmimem_jax.config import (Interrupted, finite_number,
                                register_section, validate_config,
                                write_config)
@@ -42,6 +42,7 @@ from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.builder import Responder, build_bank
 from cmimem_jax.memory.dsl import ParsedResponse, render, rendered_response
 from cmimem_jax.memory.extractive import ResponseFits, extractive_operations
+from cmimem_jax.memory.prompt_builder import PolicyPrompter
 from cmimem_jax.memory.types import MemoryType, Operation
 from cmimem_jax.models.host_memory import return_large_blocks
 from cmimem_jax.parallel import batch_divisor, make_mesh
@@ -51,8 +52,10 @@ from cmimem_jax.rl import (Checkpointer, Learner, MetricsWriter,
                            TrainStepConfig, supervised_batch)
 from cmimem_jax.sampling import (bucket_length, encode_chat,
                                  load_policy_and_tokenizer)
+# The teacher prompts' budget (`sft.max_prompt_tokens`), as the tools that
+# write warm-start data name it.
+from cmimem_jax.sampling import token_budget  # noqa: F401
 from cmimem_jax.task.build_memory import annotation_responder
-from cmimem_jax.task.episode import PromptFits, fitted_policy_messages
 
 _TYPE_ORDER = {t: i for i, t in enumerate(MemoryType)}
 
@@ -77,18 +80,18 @@ def trajectories(dialogue: Dialogue, encoder: Encoder, respond: Responder,
   """Runs `respond` through `dialogue`'s sessions (each response applied
   to the bank the next session sees). The teacher answers the full
   prompt; `fits` trims only the prompt recorded for training
-  (`fitted_policy_messages`, its `retrieved_per_type` in the record).
+  (`PolicyPrompter`, its `retrieved_per_type` in the record).
 
   Returns:
     The JSONL records of the valid responses, and how many were rejected.
   """
   _, _, steps = build_bank(dialogue, encoder, respond, memory)
+  prompter = PolicyPrompter(encoder, top_k, fits)
   records = []
   for step in steps:
     if not step.response.valid:
       continue
-    messages, shown = fitted_policy_messages(step.bank_before, step.session,
-                                             encoder, top_k, fits)
+    messages, shown = prompter.fitted(step.bank_before, step.session)
     records.append({"dialogue_id": dialogue.dialogue_id,
                     "session_index": step.session.index, "source": source,
                     "messages": messages, "retrieved_per_type": shown,
@@ -148,12 +151,6 @@ def response_budget(tokenizer: Any, max_tokens: int) -> ResponseFits:
   tokens, EOS included (a rollout's `max_new_tokens`)."""
   return lambda ops: len(tokenizer.encode(
       canonical_text(ops), add_special_tokens=False)) + 1 <= max_tokens
-
-
-def token_budget(tokenizer: Any, max_prompt_tokens: int) -> PromptFits:
-  """`PromptFits` for prompts of at most `max_prompt_tokens` chat tokens."""
-  return lambda messages: len(encode_chat(tokenizer, messages)) <= (
-      max_prompt_tokens)
 
 
 def trimmed_count(records: Sequence[dict[str, Any]], top_k: int) -> int:

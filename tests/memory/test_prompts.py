@@ -6,7 +6,8 @@ import pytest
 from cmimem_jax.data import Session, Turn
 from cmimem_jax.memory import (Action, MemoryBank, MemoryType, Operation,
                                apply_operations, retrieve, retrieve_per_type)
-from cmimem_jax.memory.prompt_builder import (build_agent_prompt,
+from cmimem_jax.memory.prompt_builder import (PolicyPrompter,
+                                              build_agent_prompt,
                                               build_answer_prompt,
                                               build_compression_prompt,
                                               build_judge_prompt,
@@ -47,6 +48,40 @@ def test_policy_messages(encoder):
   assert "[Memory] Semantic: \n- Ana - Pets: cat Tom" in user
   assert "[Session #3, 2023-05-08 13:56]\nuser: I adopted a dog named Rex." in user
   assert user.endswith("Output memory operations:")
+
+
+def _section(messages, name):
+  """The `- ` lines of one `[Memory] <name>:` block of the user prompt."""
+  user = messages[1]["content"]
+  block = user.split(f"[Memory] {name}:")[1].split("\n[")[0]
+  return [line for line in block.splitlines() if line.startswith("- ")]
+
+
+def test_a_prompt_over_its_budget_shows_fewer_retrieved_entries(encoder):
+  bank = MemoryBank("u", encoder.dim)
+  bank, _ = apply_operations(bank, [
+      Operation(MemoryType.CORE, Action.APPEND, ("Name: Ana",))] + [
+      Operation(MemoryType.SEMANTIC, Action.ADD, (f"Ana - Pet {i}: dog {i}",))
+      for i in range(6)] + [
+      Operation(MemoryType.EPISODIC, Action.ADD, (f"Ana walked dog {i}",))
+      for i in range(4)], encoder, session_index=0)
+  full, shown = PolicyPrompter(encoder, 5).fitted(bank, SESSION)
+  assert shown == 5 and full == PolicyPrompter(encoder, 5)(bank, SESSION)
+  size = lambda messages: len(messages[1]["content"])  # noqa: E731
+  limit = size(full) - 1
+  trimmed, shown = PolicyPrompter(
+      encoder, 5, lambda m: size(m) <= limit).fitted(bank, SESSION)
+  assert 0 < shown < 5 and size(trimmed) <= limit
+  # The most entries that fit: one more per type would not.
+  assert size(PolicyPrompter(encoder, shown + 1)(bank, SESSION)) > limit
+  # Each type keeps its most similar entries, in retrieval order.
+  for name in ("Episodic", "Semantic"):
+    assert _section(trimmed, name) == _section(full, name)[:shown]
+  # Nothing fits: no retrieved entries, the core block and session stay.
+  bare, shown = PolicyPrompter(encoder, 5, lambda m: False).fitted(
+      bank, SESSION)
+  assert shown == 0 and "Name: Ana" in bare[1]["content"]
+  assert not _section(bare, "Semantic") and "Rex" in bare[1]["content"]
 
 
 def test_agent_prompts(encoder):

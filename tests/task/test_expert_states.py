@@ -19,7 +19,6 @@ from cmimem_jax.rl import read_metrics
 from cmimem_jax.sampling import EngineHooks
 from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
 from cmimem_jax.task.curriculum import SessionRef
-from cmimem_jax.task.episode import policy_messages
 from cmimem_jax.task.loop import Trainer
 from cmimem_jax.task.reward import NO_EXPERT_RESPONSE
 from cmimem_jax.task.snapshots import (TEACHER_LOG, expert_responses,
@@ -220,12 +219,14 @@ class CopyingEngine(EngineHooks):
     self.ids = tokenizer.encode(
         f"CORE:APPEND|Likes tea\nEPISODIC:SKIP\nSEMANTIC:ADD|{MARKER}\n"
         "PROCEDURAL:SKIP", add_special_tokens=False)
+    self.prompts = []  # Every prompt row asked for, in order.
 
   def set_model(self, model):
     del model
 
   def generate(self, prompts, key, temperature, top_p, max_new_tokens,
                row_budgets=None, constrained=True):
+    self.prompts += [list(p) for p in prompts]
     tokens = np.tile(np.asarray(self.ids, np.int32), (len(prompts), 1))
     del key, temperature, top_p, max_new_tokens, row_budgets, constrained
     prompt, mask = left_pad(prompts, bucket_length(
@@ -259,13 +260,19 @@ def test_the_trainer_uses_the_expert_states_and_never_rebuilds_them(
         (dialogue.dialogue_id, ref.session), NO_EXPERT_RESPONSE)
     if ref.session > 0:  # The policy prompt shows the expert's memories.
       prompt = loop.policy.tokenizer.decode(loop.policy.encode(
-          policy_messages(bank, loop.episode(ref).session, loop.encoder,
-                          loop.config.rollout.retrieval_top_k)))
+          loop.prompter(bank, loop.episode(ref).session)))
       assert MARKER in prompt
   last = SessionRef(0, len(loop.dialogues[0].sessions) - 1, 0.0)
   assert loop.episode(last).expert is NO_EXPERT_RESPONSE
   snapshots = loop.snapshots
   loop.run()
+  # The first step's rollouts were asked on those prompts (`loop.prompter`,
+  # the one policy prompt), one row per rollout.
+  group = loop.config.rollout.num_rollouts
+  first = [loop.policy.encode(loop.prompter(e.bank, e.session))
+           for e in map(loop.episode, loop.curriculum.batch(0))
+           for _ in range(group)]
+  assert loop.policy.engine.prompts[:len(first)] == first
   assert loop.snapshots is snapshots  # Nothing rebuilt at the epoch.
   assert not (tmp_path / "run" / "snapshots").exists()
   metrics = read_metrics(str(tmp_path / "run"))
