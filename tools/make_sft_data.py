@@ -40,12 +40,11 @@ from cmimem_jax.config import (CallsFailed, check_failures,  # noqa: E402
 from cmimem_jax.data import load_dataset  # noqa: E402
 from cmimem_jax.encoders import make_encoder  # noqa: E402
 from cmimem_jax.sampling import (load_tokenizer,  # noqa: E402
-                                 policy_tokenizer_path)
+                                 policy_tokenizer_path, token_budget)
 from cmimem_jax.task.build_memory import annotation_responder  # noqa: E402
 from cmimem_jax.task.warm_start import (  # noqa: E402
     endpoint_teacher, extractive_teacher,
-    response_budget, teacher_trajectories, token_budget, trimmed_count,
-    write_jsonl)
+    response_budget, teacher_trajectories, trimmed_count, write_jsonl)
 from configs import default  # noqa: E402
 
 

@@ -91,11 +91,10 @@ from cmimem_jax.memory import MemoryBank  # noqa: E402
 from cmimem_jax.memory.types import ENTRY_TYPES  # noqa: E402
 from cmimem_jax.rl import read_metrics  # noqa: E402
 from cmimem_jax.sampling import (load_tokenizer,  # noqa: E402
-                                 policy_tokenizer_path)
+                                 policy_tokenizer_path, token_budget)
 from cmimem_jax.task.loop import train  # noqa: E402
 from cmimem_jax.task.warm_start import (annotation_trajectories,  # noqa: E402
-                                        run_sft, token_budget, trimmed_count,
-                                        write_jsonl)
+                                        run_sft, trimmed_count, write_jsonl)
 
 
 class Policy(NamedTuple):

@@ -52,9 +52,6 @@ from cmimem_jax.rl import (Checkpointer, Learner, MetricsWriter,
                            TrainStepConfig, supervised_batch)
 from cmimem_jax.sampling import (bucket_length, encode_chat,
                                  load_policy_and_tokenizer)
-# The teacher prompts' budget (`sft.max_prompt_tokens`), as the tools that
-# write warm-start data name it.
-from cmimem_jax.sampling import token_budget  # noqa: F401
 from cmimem_jax.task.build_memory import annotation_responder
 
 _TYPE_ORDER = {t: i for i, t in enumerate(MemoryType)}
