@@ -12,7 +12,7 @@ WORKDIR ?= workdir
 # environment (its pins would downgrade transformers), with only the
 # modules its GRPO learner imports (`make test` installs it: the bench's
 # test runs both peers). `make tunix-peer`, then
-# `PYTHONPATH=.tunix .venv/bin/python tools/bench.py grpo_step --peers=trl,tunix`.
+# `PYTHONPATH=.tunix .venv/bin/python -m tools.bench grpo_step --peers=trl,tunix`.
 TUNIX_DIR := .tunix
 TUNIX_PACKAGES := google-tunix==0.1.7 google-metrax==0.2.4 clu==0.0.12 \
 	perfetto==0.59.1 qwix==0.1.8 wrapt==2.5.2 jaxtyping==0.3.11 \
@@ -57,7 +57,7 @@ BUNDLED := cmimem_jax/data/bundled/longmemeval_train_sample.json
 
 demo: $(STAMP)
 	@echo "teacher: the user's own sentences of the bundled sample ..."
-	@$(PY) tools/make_sft_data.py --teacher=extractive --dataset=longmemeval \
+	@$(PY) -m tools.make_sft_data --teacher=extractive --dataset=longmemeval \
 	  --input=$(BUNDLED) --max_response_tokens=80 \
 	  --output=$(DEMO)/warm_start.jsonl
 	@$(PY) -m cmimem_jax.sft --config=configs/default.py \
@@ -72,7 +72,7 @@ REHEARSAL := $(WORKDIR)/rehearsal
 
 rehearsal: $(STAMP)
 	@rm -rf $(REHEARSAL)
-	@$(PY) tools/rehearse.py --workdir=$(REHEARSAL)
+	@$(PY) -m tools.rehearse --workdir=$(REHEARSAL)
 
 test: $(STAMP) $(TUNIX_DIR)/.installed $(VERL_REF)/.installed
 	$(PYTEST)

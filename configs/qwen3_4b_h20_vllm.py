@@ -11,8 +11,8 @@
       --config.qa.answer.base_url=... --config.qa.judge_endpoint.base_url=...
 
 The served encoder (`encoder.kind="openai"`) has its own Semantic SKIP
-calibration: `tools/skip_calibration.py --config=configs/qwen3_4b_h20_vllm.py
-...` with the endpoint up writes it.
+calibration: `python -m tools.skip_calibration
+--config=configs/qwen3_4b_h20_vllm.py ...` with the endpoint up writes it.
 """
 
 import ml_collections

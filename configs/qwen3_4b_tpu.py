@@ -25,7 +25,7 @@ lowers the step `task.loop.grpo_step` builds, over abstract weights;
 `BENCHMARKS.md`, "TPU plan of Table 7"):
 
   pip install -e ".[tpu]"
-  python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8 --run
+  python -m tools.plan --config=configs/qwen3_4b_tpu.py --topology=v5p-8 --run
 
 * the update of a whole step (32 micro-batches of 8 rows of 26,000
   tokens: 2 rows per chip) needs 65.1 GiB of the 95 GiB HBM per chip

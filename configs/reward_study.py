@@ -2,7 +2,7 @@
 conversation with all-MiniLM-L6-v2, the annotation builder's banks, the
 paper's reward constants (under 10 minutes on 2 CPU cores).
 
-  python tools/reward_study.py --config=configs/reward_study.py --output=DIR
+  python -m tools.reward_study --config=configs/reward_study.py --output=DIR
 """
 
 import ml_collections

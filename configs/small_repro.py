@@ -5,7 +5,7 @@ CMI+QA reward and with the QA reward alone -> evaluation of the initial,
 warm-started and both RL policies on LoCoMo conversations no training
 step saw.
 
-  python tools/reproduce.py --config=configs/small_repro.py --workdir=DIR
+  python -m tools.reproduce --config=configs/small_repro.py --workdir=DIR
 
 Models: SmolLM2-135M-Instruct (embedded GGUF) + all-MiniLM-L6-v2, every
 response grammar-constrained to valid DSL. Split (LoCoMo `locomo10.json`,

@@ -131,14 +131,11 @@ def compiles() -> CompileCounter:
 
 @pytest.fixture(scope="session")
 def gcs(tmp_path_factory):
-  """One GCS emulator (`tools/gcs_emulator.py`) per test session (worker),
-  `STORAGE_EMULATOR_HOST` pointing at it; tests make their own buckets."""
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(
-      "gcs_emulator", REPO / "tools" / "gcs_emulator.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  emulator = module.GcsEmulator(str(tmp_path_factory.mktemp("gcs")))
+  """One GCS emulator (`cmimem_jax.testing.gcs_emulator`) per test session
+  (worker), `STORAGE_EMULATOR_HOST` pointing at it; tests make their own
+  buckets."""
+  from cmimem_jax.testing.gcs_emulator import GcsEmulator
+  emulator = GcsEmulator(str(tmp_path_factory.mktemp("gcs")))
   emulator.use()
   yield emulator
   emulator.stop()

@@ -31,7 +31,7 @@ ALLOWED = {
     # records are appended and flushed, never rewritten in place.
     ("cmimem_jax/storage.py", "__init__"),
     # The GCS emulator's own log (a test fixture's process): not a result.
-    ("tools/gcs_emulator.py", "__init__"),
+    ("cmimem_jax/testing/gcs_emulator.py", "__init__"),
     # A bank's files are written into a staging folder that is renamed
     # into place whole (`MemoryBank.save`: one atomic version per save).
     ("cmimem_jax/memory/bank.py", "_write_file"),

@@ -18,14 +18,10 @@ from cmimem_jax.client import EndpointConfig
 from cmimem_jax.config import unknown_field, unknown_override
 from cmimem_jax.data import DatasetError
 from cmimem_jax.task.loop import Trainer
+from cmimem_jax.testing import run_tool
+from tools import compare_paper, make_sft_data, skip_report
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent
-                       / "tools"))
-import compare_paper  # noqa: E402
-import make_sft_data  # noqa: E402
-import skip_report  # noqa: E402
-
-from test_train import tiny_config  # noqa: E402, I100
+from test_train import tiny_config  # noqa: I100
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -76,7 +72,7 @@ def test_compare_paper_names_a_garbage_results_file(tmp_path, capsys):
   (tmp_path / "results.json").write_text('{"dataset": "locomo",\n'
                                          ' "overall": 0.5,\n garbage\n')
   with pytest.raises(SystemExit) as failed:
-    compare_paper.main([f"--results={tmp_path}"])
+    run_tool(compare_paper, [f"--results={tmp_path}"])
   assert failed.value.code == 1
   # (argparse's program name, then the message.)
   assert capsys.readouterr().err.split(": error: ", 1)[1] == (
@@ -84,7 +80,7 @@ def test_compare_paper_names_a_garbage_results_file(tmp_path, capsys):
       "enclosed in double quotes\n")
   (tmp_path / "results.json").write_text("[1, 2]")
   with pytest.raises(SystemExit):
-    compare_paper.main([f"--results={tmp_path}"])
+    run_tool(compare_paper, [f"--results={tmp_path}"])
   assert capsys.readouterr().err.split(": error: ", 1)[1] == (
       f"{tmp_path / 'results.json'}: not the results.json of `python -m "
       "cmimem_jax.evaluate` (needs 'dataset' and 'overall')\n")
@@ -110,7 +106,7 @@ def _run_dir(directory: pathlib.Path, rollouts: str) -> pathlib.Path:
 def test_skip_report_names_a_malformed_rollouts_file(tmp_path, capsys,
                                                      rollouts, expected):
   run = _run_dir(tmp_path / "run", rollouts)
-  assert skip_report.main([str(run)]) == 1
+  assert run_tool(skip_report, [str(run)]) == 1
   assert capsys.readouterr().err == f"{run / 'rollouts.jsonl'}{expected}\n"
 
 
@@ -123,7 +119,7 @@ def test_make_sft_data_with_a_dead_teacher_writes_nothing(tmp_path,
                       functools.partial(EndpointConfig, max_retries=0))
   output = tmp_path / "sft.jsonl"
   with pytest.raises(SystemExit) as failed:
-    make_sft_data.main([
+    run_tool(make_sft_data, [
         "--teacher=endpoint", f"--base_url={dead}", "--model=x",
         "--dataset=longmemeval", "--encoder=hashing", "--dim=32",
         f"--input={tiny_config().dataset.path}", f"--output={output}"])

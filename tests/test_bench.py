@@ -1,4 +1,4 @@
-"""`tools/bench.py` end to end on shrunken shapes: every scenario runs,
+"""`python -m tools.bench` end to end on shrunken shapes: every scenario runs,
 prints its JSON line, and its built-in agreement checks against the peers
 hold (the benchmark compares like with like)."""
 
@@ -23,7 +23,7 @@ def _bench(env: dict[str, str], *args: str,
     env = dict(env, PYTHONPATH=os.pathsep.join(
         filter(None, [str(pythonpath), env.get("PYTHONPATH")])))
   result = subprocess.run(
-      [sys.executable, "tools/bench.py", *args], cwd=ROOT, env=env,
+      [sys.executable, "-m", "tools.bench", *args], cwd=ROOT, env=env,
       capture_output=True, text=True, timeout=600, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   rows = [json.loads(line) for line in result.stdout.splitlines()

@@ -1,7 +1,6 @@
 import importlib
 import pathlib
 import re
-import sys
 
 import ml_collections
 import numpy as np
@@ -15,9 +14,7 @@ from cmimem_jax.evaluation.paper import paper_rows
 import cmimem_jax.evaluation.run  # noqa: F401 - registers the judge section.
 from configs import (build_memory, eval_qwen3_4b, qwen3_4b, qwen3_4b_h20_vllm,
                      qwen3_4b_tpu)
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
-import build_expert_states  # noqa: E402
+from tools import build_expert_states
 
 
 def test_shipped_config_is_valid(locomo_path):

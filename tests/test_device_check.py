@@ -1,18 +1,16 @@
 """`tools/device_check.py --small` on the CPU: the CPU-capable checks run
 and agree with their peers; the accelerator-only ones skip with a reason."""
 
-import pathlib
-import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
-import device_check  # noqa: E402
+from cmimem_jax.testing import run_tool
+from tools import device_check
 
 
 @pytest.mark.slow
 def test_small_checks_on_cpu(capsys):
-  results = {r["check"]: r for r in device_check.main(["--small"])}
+  results = {r["check"]: r for r in run_tool(device_check, ["--small"])}
   assert set(results) == set(device_check.CHECKS)
   assert not [r for r in results.values() if "error" in r], results
   # One JSON line per check on stdout.

@@ -18,20 +18,14 @@ import glob
 import json
 import os
 import re
-import sys
 from dataclasses import dataclass
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import make_sft_data  # noqa: E402
-import rehearse  # noqa: E402
-import scripted_llm  # noqa: E402
-
-from cmimem_jax.config import validate_config  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "evaluation"))
-from fake_openai import FakeOpenAI  # noqa: E402
+from cmimem_jax.config import validate_config
+from cmimem_jax.testing import run_tool, scripted_llm
+from cmimem_jax.testing.fake_openai import FakeOpenAI
+from tools import make_sft_data, rehearse
 
 REPO = rehearse.REPO
 README_SECTIONS = ("## Training", "## Evaluation",
@@ -76,7 +70,7 @@ COMMANDS: dict[str, str | NotRun] = {
         NotRun("SmolLM2-135M GRPO with 8 rollouts: minutes per step",
                (f"tests/test_documented_commands.py::{_COVERED_BY_PARSING}",
                 _TRAIN_CLI)),
-    "python tools/reward_study.py --config=configs/reward_study.py "
+    "python -m tools.reward_study --config=configs/reward_study.py "
     "--output=*":
         NotRun("about 1.5 minutes per LoCoMo conversation with MiniLM; the "
                "test runs the same `run()` on this config file with the "
@@ -86,18 +80,18 @@ COMMANDS: dict[str, str | NotRun] = {
                 "test_a_run_writes_intervals_auc_and_spearman")),
     "make rehearsal":
         NotRun("the Makefile target is `rm -rf workdir/rehearsal` then "
-               "`python tools/rehearse.py --workdir=workdir/rehearsal`; the "
+               "`python -m tools.rehearse --workdir=workdir/rehearsal`; the "
                "test runs that script on a fresh workdir",
                ("tests/test_rehearse.py::"
                 "test_the_recipe_rehearses_end_to_end",)),
-    "python tools/build_expert_states.py --config=configs/qwen3_4b.py "
+    "python -m tools.build_expert_states --config=configs/qwen3_4b.py "
     "--config.dataset.path=* --config.encoder.path=* --output=* "
     "--base_url=* --model=*": "rehearsal:build_expert_states",
-    "python tools/synthesize_qa.py --input=* --output=* --base_url=* "
+    "python -m tools.synthesize_qa --input=* --output=* --base_url=* "
     "--model=* --expert_states=* --per_session=* --max_tokens=* "
     "--temperature=0.0 --concurrency=8 --timeout_s=120":
         "rehearsal:synthesize_qa",
-    "python tools/skip_calibration.py --config=configs/qwen3_4b.py "
+    "python -m tools.skip_calibration --config=configs/qwen3_4b.py "
     "--config.encoder.path=* --locomo=* --output=* --table=*":
         "rehearsal:skip_calibration",
     "python -m cmimem_jax.train --config=configs/qwen3_4b_tpu.py "
@@ -108,13 +102,13 @@ COMMANDS: dict[str, str | NotRun] = {
     "--config.rl.snapshots=* --config.reward.skip_calibration=* "
     "--config.qa.answer.base_url=* "
     "--config.qa.judge_endpoint.base_url=*": "rehearsal:train",
-    "python tools/make_sft_data.py --input=* --dialogues=* "
+    "python -m tools.make_sft_data --input=* --dialogues=* "
     "--max_prompt_tokens=* --output=*":
         "tests/test_documented_commands.py::test_make_sft_data_commands",
-    "python tools/make_sft_data.py --input=* --base_url=* --model=* "
+    "python -m tools.make_sft_data --input=* --base_url=* --model=* "
     "--output=*":
         "tests/test_documented_commands.py::test_make_sft_data_commands",
-    "python tools/make_sft_data.py --teacher=extractive "
+    "python -m tools.make_sft_data --teacher=extractive "
     "--dataset=longmemeval --input=* --max_response_tokens=* --output=*":
         "tests/test_documented_commands.py::test_make_sft_data_commands",
     "python -m cmimem_jax.sft --config=configs/small_repro.py --workdir=* "
@@ -135,7 +129,7 @@ COMMANDS: dict[str, str | NotRun] = {
     "python -m cmimem_jax.build_memory --config=configs/build_memory.py "
     "--workdir=* --config.dataset.dialogues=*":
         "tests/test_build_memory.py::test_demo_cli_builds_saves_and_reports",
-    "python tools/reproduce.py --config=configs/small_repro.py --workdir=*":
+    "python -m tools.reproduce --config=configs/small_repro.py --workdir=*":
         NotRun("1 h 38 min on 2 cores; its stages run one by one",
                ("tests/test_reproduce.py::"
                 "test_stages_run_once_in_order_and_resume",
@@ -189,7 +183,7 @@ COMMANDS: dict[str, str | NotRun] = {
                 "rehearsal:evaluate",
                 "tests/evaluation/test_evaluate.py::"
                 "test_prompting_method_builds_and_caches_banks")),
-    "python tools/compare_paper.py --results=*": "rehearsal:compare_paper",
+    "python -m tools.compare_paper --results=*": "rehearsal:compare_paper",
     # --- README "## Serving, GPU / vLLM, and scale" ----------------------
     "python -m cmimem_jax.serve --config=configs/serve_cpu.py --port=*":
         "rehearsal:serve",
@@ -205,10 +199,10 @@ COMMANDS: dict[str, str | NotRun] = {
                "installs the same jax[tpu], which the v5p-8 plans import",
                ("tests/test_plan.py::"
                 "test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8",)),
-    "python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8":
+    "python -m tools.plan --config=configs/qwen3_4b_tpu.py --topology=v5p-8":
         "tests/test_plan.py::"
         "test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8",
-    "python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8 "
+    "python -m tools.plan --config=configs/qwen3_4b_tpu.py --topology=v5p-8 "
     "--run":
         "tests/test_plan.py::"
         "test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8",
@@ -308,13 +302,13 @@ def _test_source(node: str) -> str:
 
 def _distinctive(words: list[str]) -> list[tuple[str, ...]]:
   """What a test that runs `words` must name, each as alternatives: the
-  entry point (module, or script path / `script.main(`), the config file,
-  every behaviour flag with its value."""
-  if words[:2] == ["python", "-m"]:
-    needles, rest = [(words[2],)], words[3:]
-  else:
-    stem = os.path.splitext(os.path.basename(words[1]))[0]
-    needles, rest = [(words[1], f"{stem}.main(", f"{stem}.run(")], words[2:]
+  entry point (the module; a tool's `run_tool(tool, ...)` or `tool.run(`
+too), the config file, every behaviour flag with its value."""
+  module, rest = words[2], words[3:]
+  needles = [(module,)]
+  if module.startswith("tools."):
+    tool = module.removeprefix("tools.")
+    needles = [(module, f"run_tool({tool},", f"{tool}.run(")]
   for word in rest:
     if word.startswith("--config="):
       needles.append((word.partition("=")[2],))
@@ -465,22 +459,23 @@ def test_make_sft_data_commands(tmp_path):
   (the scripted stand-in answers the policy prompt), the extractive
   teacher; one LoCoMo conversation each."""
   output = str(tmp_path / "sft.jsonl")
-  annotations = _written("python tools/make_sft_data.py --input=* "
+  annotations = _written("python -m tools.make_sft_data --input=* "
                          "--dialogues=* --max_prompt_tokens=* --output=*")
-  summary = make_sft_data.main(_changed(annotations, {
-      "dialogues": "0:1", "output": output})[2:])
+  summary = run_tool(make_sft_data, _changed(annotations, {
+      "dialogues": "0:1", "output": output})[3:])
   assert summary["records"] == 19 and summary["rejected"] == 0
   with scripted_llm.ScriptedLLM() as teacher:
-    chat = _written("python tools/make_sft_data.py --input=* --base_url=* "
+    chat = _written("python -m tools.make_sft_data --input=* --base_url=* "
                     "--model=* --output=*")
-    summary = make_sft_data.main(_changed(chat, {
+    summary = run_tool(make_sft_data, _changed(chat, {
         "input": LOCOMO, "base_url": teacher.base_url, "model": "scripted",
-        "output": output, "dialogues": "0:1"})[2:])
+        "output": output, "dialogues": "0:1"})[3:])
   assert summary["records"] == 19 and summary["rejected"] == 0
-  extractive = _written("python tools/make_sft_data.py --teacher=extractive "
+  extractive = _written("python -m tools.make_sft_data --teacher=extractive "
                         "--dataset=longmemeval --input=* "
                         "--max_response_tokens=* --output=*")
-  summary = make_sft_data.main(_changed(extractive, {"output": output})[2:])
+  summary = run_tool(make_sft_data,
+                     _changed(extractive, {"output": output})[3:])
   assert summary["records"] == 15 and summary["rejected"] == 0
 
 
@@ -569,7 +564,7 @@ ENTRY_SECTIONS = {
     "cmimem_jax.sft": ("policy", "sft"),
     "cmimem_jax.evaluate": ("dataset", "encoder", "memory", "judge",
                             "answer", "builder"),
-    "tools/reward_study.py": ("dataset", "encoder", "memory", "reward"),
+    "tools.reward_study": ("dataset", "encoder", "memory", "reward"),
 }
 # Devices of the machine a config is written for (else a one-CPU laptop).
 CONFIG_DEVICES = {"configs/qwen3_4b_h20_vllm.py": 8}
@@ -599,7 +594,7 @@ def test_documented_configs_parse_and_validate(tmp_path, monkeypatch):
       named = {flag for flag in fill if flag == "workdir" or _has(
           config, flag.removeprefix("config."))}
     config, _ = _parse(_changed(words, {flag: fill[flag] for flag in named}))
-    sections = ENTRY_SECTIONS.get(words[2] if words[1] == "-m" else words[1])
+    sections = ENTRY_SECTIONS.get(words[2])
     if sections is None:
       continue
     used = ml_collections.ConfigDict({

@@ -1,8 +1,8 @@
 """A TPU user's `--workdir=gs://...`, end to end on a GCS emulator
-(fake-gcs-server, `tools/gcs_emulator.py`): training on a bucket survives
-kill -9 and resumes exactly, a second trainer is refused, the tools read
-the run, an SFT checkpoint in the bucket warm-starts GRPO whose data comes
-from the bucket. (SIGTERM and resume, evaluate at a kept step and
+(fake-gcs-server, `cmimem_jax.testing.gcs_emulator`): training on a
+bucket survives kill -9 and resumes exactly, a second trainer is refused,
+the tools read the run, an SFT checkpoint in the bucket warm-starts GRPO
+whose data comes from the bucket. (SIGTERM and resume, evaluate at a kept step and
 compare_paper on gs://: `tools/rehearse.py`'s stages.)"""
 
 import importlib.util
@@ -23,6 +23,7 @@ from cmimem_jax.data import bundled_path
 from cmimem_jax.rl import Checkpointer, read_metrics, read_rollouts
 from cmimem_jax.task.loop import Trainer, plan_sessions, training_dialogues
 from cmimem_jax.task.warm_start import run_sft, write_jsonl
+from cmimem_jax.testing import run_tool
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -108,8 +109,8 @@ def test_train_on_a_bucket_resumes_after_kill_9(gcs, tmp_path):
   assert os.listdir(cwd) == []
   assert not os.path.exists(os.path.join(ROOT, "gs:"))
 
-  skip_report = _load("skip_report", f"{ROOT}/tools/skip_report.py")
-  assert skip_report.main([run, f"--output={run}/skips.json"]) == 0
+  from tools import skip_report
+  assert run_tool(skip_report, [run, f"--output={run}/skips.json"]) == 0
   counts = json.loads(storage.path(f"{run}/skips.json").read_text())
   assert sum(c["rollouts"] for c in counts[run].values()) == 2 * rows
 
@@ -153,9 +154,8 @@ def test_sft_in_a_bucket_warm_starts_train_on_a_dataset_in_the_bucket(
 
 
 def test_plan_reads_a_checkpoints_architecture_from_a_bucket(gcs, tmp_path):
-  sys.path.insert(0, os.path.join(ROOT, "tools"))
-  import plan
-  import standins
+  from tools import plan
+  from cmimem_jax.testing import standins
   tokenizer = standins.make_tokenizer(str(tmp_path / "tokenizer"),
                                       standins.corpus())
   local = standins.make_policy_checkpoint(str(tmp_path / "policy"),
@@ -165,8 +165,8 @@ def test_plan_reads_a_checkpoints_architecture_from_a_bucket(gcs, tmp_path):
                   "plan-test/policy/config.json")
   arguments = [f"--config={ROOT}/configs/qwen3_4b_tpu.py", "--topology=cpu:1",
                "--programs=train", "--length=64", "--completion=8"]
-  (row,) = plan.main([*arguments, f"--checkpoint={remote}"])
-  (want,) = plan.main([*arguments, f"--checkpoint={local}"])
+  (row,) = run_tool(plan, [*arguments, f"--checkpoint={remote}"])
+  (want,) = run_tool(plan, [*arguments, f"--checkpoint={local}"])
   # Tokenizers are read from local folders only: the bucket's run costs
   # with the stand-in (same EOS id, so the same shapes and programs).
   assert row.pop("stand_ins") == {

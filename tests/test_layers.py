@@ -160,3 +160,86 @@ def test_the_estimator_reads_no_bank_storage():
              for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, ast.Attribute) and node.attr == "stores"]
   assert not readers, readers
+
+
+TOOLS = ROOT / "tools"
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+  """Every module `path` imports, at any depth, by its absolute name; a
+  relative import as `.name` (`from . import x`: `.x`)."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      found.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      if node.level:
+        found.update("." + (f"{node.module}." if node.module else "") + a.name
+                     for a in node.names)
+      else:
+        found.add(node.module)
+        found.update(f"{node.module}.{a.name}" for a in node.names)
+  return found
+
+
+def tool_imports_of_tools(path: pathlib.Path) -> list[str]:
+  """The tools `path` imports: `tools.x`, a relative import, or a sibling
+  file of `tools/` by its bare name (what a `sys.path` edit allowed)."""
+  siblings = {p.stem for p in TOOLS.glob("*.py")} - {"__init__"}
+  return sorted(m for m in imported_modules(path)
+                if m.split(".")[0] in {"tools", *siblings}
+                or m.startswith("."))
+
+
+def test_a_tool_imports_the_library_never_another_tool():
+  tools = sorted(p for p in TOOLS.glob("*.py") if p.name != "__init__.py")
+  assert len(tools) >= 10, tools
+  violations = {p.name: tool_imports_of_tools(p) for p in tools}
+  assert not {k: v for k, v in violations.items() if v}, violations
+  # The library never imports a tool (it sits below them).
+  library = {str(p.relative_to(ROOT)): tool_imports_of_tools(p)
+             for p in PACKAGE.rglob("*.py")}
+  assert not {k: v for k, v in library.items() if v}, library
+
+
+def sys_path_edits(path: pathlib.Path) -> list[int]:
+  """Lines of `path` that change `sys.path` (a call of one of its
+  methods, or an assignment to it or an item of it)."""
+  def is_sys_path(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "path"
+            and isinstance(node.value, ast.Name) and node.value.id == "sys")
+  lines = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and is_sys_path(node.func.value)):
+      lines.append(node.lineno)
+    elif isinstance(node, (ast.Assign, ast.AugAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [
+          node.target]
+      for target in targets:
+        if is_sys_path(target) or (isinstance(target, ast.Subscript)
+                                   and is_sys_path(target.value)):
+          lines.append(node.lineno)
+  return sorted(lines)
+
+
+def test_nothing_edits_sys_path():
+  """Tools run as `python -m tools.NAME` and tests from the repository
+  root (pytest.ini's `pythonpath`): every import resolves without an
+  edit of `sys.path`."""
+  files = [*TOOLS.rglob("*.py"), *(ROOT / "tests").rglob("*.py"),
+           *PACKAGE.rglob("*.py"), *(ROOT / "configs").rglob("*.py")]
+  edits = {str(p.relative_to(ROOT)): sys_path_edits(p) for p in files}
+  assert not {k: v for k, v in edits.items() if v}, edits
+
+
+def test_the_checkers_see_a_tool_import_and_a_sys_path_edit(tmp_path):
+  path = tmp_path / "tool.py"
+  path.write_text(
+      "import sys\nfrom cmimem_jax import config\nimport numpy\n"
+      "def f():\n  from tools import plan\n  import reproduce\n"
+      "  sys.path.insert(0, '..')\n  sys.path += ['x']\n"
+      "from . import bench\nsys.path[0] = 'y'\n")
+  assert tool_imports_of_tools(path) == [".bench", "reproduce",
+                                         "tools", "tools.plan"]
+  assert sys_path_edits(path) == [7, 8, 10]

@@ -4,7 +4,6 @@ abstract shapes, on the fake 8-device CPU mesh and for a TPU topology
 
 import math
 import os
-import sys
 import types
 
 import jax
@@ -13,9 +12,8 @@ import pytest
 from cmimem_jax.models.qwen3 import preset
 from cmimem_jax.rl.step import GRPOStep, RolloutSettings
 from cmimem_jax.task.curriculum import Curriculum, SessionRef
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import plan  # noqa: E402
+from cmimem_jax.testing import run_tool
+from tools import plan
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 MEMORY_FIELDS = ("arguments_gib", "temporaries_gib", "outputs_gib",
@@ -29,10 +27,10 @@ def test_plan_reports_memory_and_fit_for_a_sharded_mesh():
     pytest.skip("needs the 8 fake CPU devices set up in conftest")
   # 8 and 16 rows per device: a session's 8 rollouts share one prompt in
   # both (rl.share_prompts), so one program grows with the rows.
-  rows = plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py",
-                    "--topology=cpu:8", "--programs=train",
-                    "--mesh=fsdp:4,tensor:2", "--layers=1", "--length=256",
-                    "--batch=8,16", "--budgets=16,32"])
+  rows = run_tool(plan, [f"--config={ROOT}/configs/qwen3_4b_tpu.py",
+                         "--topology=cpu:8", "--programs=train",
+                         "--mesh=fsdp:4,tensor:2", "--layers=1", "--length=256",
+                         "--batch=8,16", "--budgets=16,32"])
   compiled, summary = rows[:2], rows[2]
   for row in compiled:
     assert row["arguments_gib"] > 0 and row["xla_tflops"] > 0
@@ -59,7 +57,7 @@ def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
   # --run: the trainer's programs at the run's rows per chip (8 training
   # rows of each of 8 micro-batches; 2 sessions per chip a decoding wave;
   # the encoder's own batch), then the run's line per concurrency.
-  *rows, run, run_32 = plan.main([
+  *rows, run, run_32 = run_tool(plan, [
       f"--config={ROOT}/configs/qwen3_4b_tpu.py", "--topology=v5p-8",
       "--layers=1", "--length=128", "--completion=32", "--run",
       "--concurrency=8,32"])
@@ -144,23 +142,23 @@ def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
                                      "chip_hours"}
   assert "459" in run["assumptions"]["hours"]
   with pytest.raises(SystemExit, match="v5p-8"):
-    plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py",
-               "--topology=v7x-8"])
+    run_tool(plan, [f"--config={ROOT}/configs/qwen3_4b_tpu.py",
+                    "--topology=v7x-8"])
 
 
 def test_plan_takes_the_architecture_of_a_checkpoint(tmp_path):
   """--checkpoint: the rehearsal's stand-in policy (a random Qwen3 of its
   own config.json) at the 4B config's dtype and remat, not the preset."""
-  import standins
+  from cmimem_jax.testing import standins
   from flax import nnx
   from cmimem_jax.models.qwen3 import Qwen3Config
   from cmimem_jax.models.qwen3.params import abstract_model
   tokenizer = standins.make_tokenizer(str(tmp_path / "tokenizer"),
                                       standins.corpus())
   path = standins.make_policy_checkpoint(str(tmp_path / "policy"), tokenizer)
-  (row,) = plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py",
-                      "--topology=cpu:1", f"--checkpoint={path}",
-                      "--programs=train", "--length=64", "--completion=8"])
+  (row,) = run_tool(plan, [f"--config={ROOT}/configs/qwen3_4b_tpu.py",
+                           "--topology=cpu:1", f"--checkpoint={path}",
+                           "--programs=train", "--length=64", "--completion=8"])
   config = Qwen3Config.from_pretrained(path)
   params = sum(x.size for x in jax.tree.leaves(
       nnx.state(abstract_model(config), nnx.Param)))
@@ -170,18 +168,20 @@ def test_plan_takes_the_architecture_of_a_checkpoint(tmp_path):
   # decimals), not Qwen3-4B's 60 GiB.
   assert abs(row["arguments_gib"] - 4 * 4 * params / plan.GIB) < 6e-4
   with pytest.raises(SystemExit, match="give one"):
-    plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py", "--topology=cpu:1",
-               f"--checkpoint={path}", "--preset=smollm2_135m"])
+    run_tool(plan, [f"--config={ROOT}/configs/qwen3_4b_tpu.py",
+                    "--topology=cpu:1", f"--checkpoint={path}",
+                    "--preset=smollm2_135m"])
   with pytest.raises(SystemExit, match="no config.json there"):
-    plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py", "--topology=cpu:1",
-               f"--checkpoint={tmp_path / 'tokenizer'}"])
+    run_tool(plan, [f"--config={ROOT}/configs/qwen3_4b_tpu.py",
+                    "--topology=cpu:1",
+                    f"--checkpoint={tmp_path / 'tokenizer'}"])
 
 
 def test_plan_compiles_the_cmi_kernel_for_a_v5p_8():
   pytest.importorskip("libtpu", reason="the TPU extra is not installed")
-  (row,) = plan.main([f"--config={ROOT}/configs/qwen3_4b_tpu.py",
-                      "--topology=v5p-8", "--programs=cmi_kernel",
-                      "--batch=16", "--cmi_shape=8,128"])
+  (row,) = run_tool(plan, [f"--config={ROOT}/configs/qwen3_4b_tpu.py",
+                           "--topology=v5p-8", "--programs=cmi_kernel",
+                           "--batch=16", "--cmi_shape=8,128"])
   assert row["program"] == "cmi_kernel" and row["cmi_shape"] == [8, 128]
   assert row["global_batch"] == 16 * row["devices"]
   assert row["total_gib"] > 0 and row["fits"] is True

@@ -8,12 +8,10 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import rehearse  # noqa: E402
-import scripted_llm  # noqa: E402
-
-from cmimem_jax.memory import parse  # noqa: E402
-from cmimem_jax.memory.prompts import render_template  # noqa: E402
+from cmimem_jax.memory import parse
+from cmimem_jax.memory.prompts import render_template
+from cmimem_jax.testing import scripted_llm
+from tools import rehearse
 
 # What a rehearsal may change. Sizes: counts, token lengths and buckets,
 # dataset slices, checkpoint periods. Paths: inputs, outputs, checkpoints.
@@ -71,7 +69,7 @@ def test_the_rehearsal_runs_the_recipe_in_readmes_order():
   states, skip_calibration, train; the rehearsal's stages in that order."""
   with open(os.path.join(rehearse.REPO, "README.md")) as f:
     readme = f.read()
-  block = readme[readme.index("python tools/build_expert_states.py"):]
+  block = readme[readme.index("python -m tools.build_expert_states"):]
   block = block[:block.index("```")]
   order = [stage for stage in ("build_expert_states", "synthesize_qa",
                                "skip_calibration", "train")
@@ -123,7 +121,7 @@ def test_the_scripted_llm_answers_each_documented_prompt_in_its_format():
 @pytest.mark.slow
 def test_the_recipe_rehearses_end_to_end(tmp_path):
   work = tmp_path / "rehearsal"
-  result = subprocess.run([sys.executable, "tools/rehearse.py",
+  result = subprocess.run([sys.executable, "-m", "tools.rehearse",
                            f"--workdir={work}"], cwd=rehearse.REPO,
                           capture_output=True, text=True, timeout=900)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

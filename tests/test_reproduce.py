@@ -4,7 +4,6 @@ metrics and evaluation results shaped like the real jobs write them."""
 import json
 import os
 import shutil
-import sys
 import types
 
 import numpy as np
@@ -15,9 +14,7 @@ from cmimem_jax.data import bundled_path
 from cmimem_jax.memory import MemoryBank
 from cmimem_jax.memory.types import MemoryEntry, MemoryType
 from configs import small_repro
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import reproduce  # noqa: E402
+from tools import reproduce
 
 
 def _result(overall: float, temporal: float) -> dict:
@@ -375,7 +372,7 @@ def test_report_is_written_from_what_has_been_evaluated(tmp_path,
          "validity_rate": 1.0, "response_tokens_mean": 40.0,
          "reward_group_std": 0.1}) + "\n" for s in (1, 2)))
   (tmp_path / "stages.json").write_text(json.dumps({"eval_initial": 9.5}))
-  command = ("python tools/reproduce.py --config=configs/small_repro.py "
+  command = ("python -m tools.reproduce --config=configs/small_repro.py "
              "--config.sft.trim_retrieved=True --stages=report")
   text = reproduce.reproduce(small_repro.get_config(), str(tmp_path),
                              ["report"], command=command)

@@ -3,8 +3,6 @@ measured use of a fact that answers a question is positive, and a run
 writes the per-class intervals and per-estimator AUC / Spearman."""
 
 import json
-import pathlib
-import sys
 
 import numpy as np
 import pytest
@@ -15,10 +13,7 @@ from cmimem_jax.memory import Action, MemoryBank, MemoryType, Operation
 from cmimem_jax.memory.apply import apply_operations
 from cmimem_jax.memory.builder import build_bank
 from cmimem_jax.task.build_memory import annotation_responder
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
-import reward_study  # noqa: E402
-import skip_calibration  # noqa: E402
+from tools import reward_study, skip_calibration
 
 ENCODER = HashingEncoder(128)
 

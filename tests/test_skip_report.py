@@ -3,14 +3,12 @@ session, counted as the reward logged them."""
 
 import json
 import pathlib
-import sys
 
 import pytest
 
 from cmimem_jax.data.registry import bundled_path
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
-import skip_report  # noqa: E402
+from cmimem_jax.testing import run_tool
+from tools import skip_report
 
 
 FILLER = "longmemeval_train_with_filler.json"
@@ -42,9 +40,9 @@ def test_counts_by_kind_per_run_and_pooled(tmp_path, capsys):
   second = _workdir(tmp_path / "b", [
       {"step": 1, "session": "train_maya/3", "semantic_skip": 0.0},
       _skip("train_maya/2", False, 0.5)])
-  assert skip_report.main([first, second, "--output",
-                           str(tmp_path / "out.json"), "--plot",
-                           str(tmp_path / "skips.png")]) == 0
+  assert run_tool(skip_report, [first, second, "--output",
+                                str(tmp_path / "out.json"), "--plot",
+                                str(tmp_path / "skips.png")]) == 0
   assert (tmp_path / "skips.png").read_bytes()[:4] == b"\x89PNG"
   counts = json.loads((tmp_path / "out.json").read_text())
   assert counts[first] == {
@@ -67,23 +65,23 @@ def test_a_step_range_and_runs_without_rollouts(tmp_path, capsys):
       {**_skip("train_maya/1", True, 0.0), "step": 1},
       {**_skip("train_maya/3", True, 0.0), "step": 2},
       {**_skip("train_maya/0", False, 0.6), "step": 3}])
-  assert skip_report.main([run, "--steps=2:3", "--output",
-                           str(tmp_path / "out.json")]) == 0
+  assert run_tool(skip_report, [run, "--steps=2:3", "--output",
+                                str(tmp_path / "out.json")]) == 0
   counts = json.loads((tmp_path / "out.json").read_text())[run]
   assert [(c["rollouts"], c["skips"], c["justified"])
           for c in counts.values()] == [(1, 1, 1), (1, 1, 0)]
   capsys.readouterr()
-  assert skip_report.main([run, "--steps=4:9"]) == 1
+  assert run_tool(skip_report, [run, "--steps=4:9"]) == 1
   assert ("no logged rollouts in steps 4..9 (it logged steps 1..3)"
           in capsys.readouterr().err)
   empty = _workdir(tmp_path / "b", [])
-  assert skip_report.main([empty]) == 1
+  assert run_tool(skip_report, [empty]) == 1
   assert "rl.log_rollouts=True" in capsys.readouterr().err
-  assert skip_report.main([str(tmp_path / "nope")]) == 1
+  assert run_tool(skip_report, [str(tmp_path / "nope")]) == 1
   assert "no such directory" in capsys.readouterr().err
   for bad in ("--steps=3", "--steps=3:2"):
     with pytest.raises(SystemExit):
-      skip_report.main([run, bad])
+      run_tool(skip_report, [run, bad])
 
 
 def test_a_run_trained_with_a_relative_dataset_path(tmp_path, monkeypatch,
@@ -94,11 +92,11 @@ def test_a_run_trained_with_a_relative_dataset_path(tmp_path, monkeypatch,
   run = _workdir(tmp_path / "a", [_skip("train_maya/1", True, 0.0)],
                  dataset=relative)
   monkeypatch.chdir(tmp_path)
-  assert skip_report.main([run]) == 0
+  assert run_tool(skip_report, [run]) == 0
   assert "| states nothing | 1 | 1 | 1 | 0.000 |" in capsys.readouterr().out
   missing = _workdir(tmp_path / "b", [_skip("train_maya/1", True, 0.0)],
                      dataset="no/such/data.json")
-  assert skip_report.main([missing]) == 1
+  assert run_tool(skip_report, [missing]) == 1
   assert "'no/such/data.json' is not found" in capsys.readouterr().err
 
 
@@ -108,6 +106,6 @@ def test_a_run_still_writing_is_read_not_repaired(tmp_path, capsys):
   with open(rollouts, "a") as f:
     f.write('{"step": 2, "session": "train_ma')  # A line being written.
   written = rollouts.read_bytes()
-  assert skip_report.main([run]) == 0
+  assert run_tool(skip_report, [run]) == 0
   assert "| states nothing | 1 | 1 | 1 | 0.000 |" in capsys.readouterr().out
   assert rollouts.read_bytes() == written

@@ -25,9 +25,7 @@ from cmimem_jax.task.episode import apply_to_copy
 from cmimem_jax.task.loop import Trainer, plan_sessions, training_dialogues
 from cmimem_jax.task.reward import RewardComputer, RewardConfig, RolloutInput
 from cmimem_jax.task.skip_table import calibrated
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import skip_report  # noqa: E402
+from tools import skip_report
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -192,7 +190,7 @@ def test_an_encoder_without_a_skip_calibration_refuses_to_train(tmp_path):
   tool that makes them."""
   config = tiny_config(**{"encoder.dim": 48})
   with pytest.raises(ConfigError, match="no Semantic SKIP calibration for "
-                     "encoder .*'dim': 48.*tools/skip_calibration.py"):
+                     "encoder .*'dim': 48.*tools.skip_calibration"):
     Trainer(config, str(tmp_path))
   assert not os.path.exists(tmp_path / "checkpoints")
 

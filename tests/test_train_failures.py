@@ -23,10 +23,8 @@ from cmimem_jax.rl.checkpoint import CheckpointNotSaved
 from cmimem_jax.task.loop import Trainer
 from cmimem_jax.task.qa_reward import PendingQA
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "rl"))
-from test_checkpoint_failures import (_fail_writes_of,  # noqa: E402
-                                      assert_full_disk_line)
-from test_train import ScriptedEngine, tiny_config  # noqa: E402
+from full_disk import assert_full_disk_line, fail_writes_of  # noqa: I100
+from test_train import ScriptedEngine, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -82,7 +80,7 @@ def test_a_failed_save_cuts_the_metrics_back_to_the_last_saved_step(
   ends at step 1 (the saved checkpoint)."""
   workdir = pathlib.Path(trainer.workdir)
   with pytest.MonkeyPatch.context() as patch:
-    _fail_writes_of(2, patch)
+    fail_writes_of(2, patch)
     with pytest.raises(CheckpointNotSaved) as failed:
       trainer.run()
   assert_full_disk_line(str(failed.value), workdir / "checkpoints" / "2",

@@ -1,10 +1,10 @@
 """Benchmarks: our JAX code against named peers, measured in the same run.
 
-  python tools/bench.py cmi [--scenario=kernel|workload|all] [--devices=2]
-  python tools/bench.py forward|generate [--models=qwen3_0p6b,smollm2_135m]
-  python tools/bench.py train_step [--model=smollm2_135m --layers=8]
-  python tools/bench.py grpo_step [--prompts=4 --group=4 --new_tokens=64]
-  python tools/bench.py offsets [--tokens=6000]
+  python -m tools.bench cmi [--scenario=kernel|workload|all] [--devices=2]
+  python -m tools.bench forward|generate [--models=qwen3_0p6b,smollm2_135m]
+  python -m tools.bench train_step [--model=smollm2_135m --layers=8]
+  python -m tools.bench grpo_step [--prompts=4 --group=4 --new_tokens=64]
+  python -m tools.bench offsets [--tokens=6000]
 
 Prints one JSON line per case. Every speedup is peer time / our time, each
 the best of `--reps` timed runs after a warm-up (compile excluded; compile
@@ -35,126 +35,142 @@ Scenarios:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
 import os
-import sys
 import time
+import types
 from collections.abc import Callable
 
-
-# = models.attention.ATTENTION_IMPLS, spelled out: the flags are parsed
-# before jax may be imported (XLA_FLAGS below).
-ATTENTION_CHOICES = ("auto", "batched", "per_head", "splash", "cudnn")
-
-
-def _parse_args(argv: list[str]) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  sub = parser.add_subparsers(dest="command", required=True)
-  cmi = sub.add_parser("cmi", help="CMI kernel and reward workload")
-  cmi.add_argument("--scenario", choices=["kernel", "workload", "all"],
-                   default="all")
-  cmi.add_argument("--devices", type=int, default=os.cpu_count() or 1,
-                   help="CPU devices to shard the kernel batch over")
-  cmi.add_argument("--reps", type=int, default=3)
-  cmi.add_argument("--quick", action="store_true",
-                   help="smallest cases only (smoke test)")
-  for name, text in (("forward", "full forward vs transformers"),
-                     ("generate", "cached greedy generation vs transformers")):
-    model = sub.add_parser(name, help=text)
-    model.add_argument("--models", default="qwen3_0p6b,smollm2_135m",
-                       help="comma-separated presets (random weights)")
-    model.add_argument("--layers", type=int, default=0,
-                       help="override the layer count (0: preset's)")
-    model.add_argument("--batch", type=int, default=4)
-    model.add_argument("--length", type=int,
-                       default=512 if name == "forward" else 128,
-                       help="tokens per row (forward) or prompt length")
-    model.add_argument("--new_tokens", type=int, default=128)
-    model.add_argument("--reps", type=int, default=4 if name == "forward"
-                       else 2)
-    model.add_argument("--devices", type=int, default=1)
-    model.add_argument("--attention_impl", default="auto",
-                       choices=ATTENTION_CHOICES)
-  train = sub.add_parser("train_step",
-                         help="one GRPO train step vs one forward pass")
-  train.add_argument("--model", default="smollm2_135m")
-  train.add_argument("--layers", type=int, default=8)
-  train.add_argument("--batch", type=int, default=4)
-  train.add_argument("--length", type=int, default=256,
-                     help="prompt + completion tokens per row")
-  train.add_argument("--kl_beta", type=float, default=0.0,
-                     help="> 0 adds the reference forward (ideal ratio ~4)")
-  train.add_argument("--reps", type=int, default=3)
-  train.add_argument("--devices", type=int, default=1)
-  train.add_argument("--attention_impl", default="auto",
-                     choices=ATTENTION_CHOICES)
-  train.add_argument("--completion", type=int, default=0,
-                     help="completion columns per row (0: half the row)")
-  train.add_argument("--group", type=int, default=1,
-                     help="rows per shared prompt: > 1 also times the step "
-                     "over whole rows against the one that runs each "
-                     "prompt once (rl.TrainStepConfig.share_prompts)")
-  train.add_argument("--remat", default="none", choices=("none", "full",
-                                                         "dots"),
-                     help="the layers' rematerialisation (Qwen3Config.remat)")
-  train.add_argument("--frozen_weights", action="store_true",
-                     help="also time the update's gradient alone with every "
-                     "parameter trainable and with only the RMSNorm scales "
-                     "trainable: the floor of an adapter (LoRA) update, "
-                     "which computes no weight gradient")
-  grpo = sub.add_parser("grpo_step", help="a whole GRPO step vs TRL")
-  grpo.add_argument("--prompts", type=int, default=4)
-  grpo.add_argument("--group", type=int, default=4,
-                    help="completions per prompt (GRPO's N)")
-  grpo.add_argument("--new_tokens", type=int, default=64)
-  grpo.add_argument("--steps", type=int, default=3,
-                    help="timed steps per side, after one warm-up step")
-  grpo.add_argument("--temperature", type=float, default=1.0)
-  grpo.add_argument("--top_p", type=float, default=1.0)
-  grpo.add_argument("--kl_beta", type=float, default=0.02)
-  grpo.add_argument("--learning_rate", type=float, default=1e-6)
-  grpo.add_argument("--layers", type=int, default=0,
-                    help="keep the first N decoder layers (0: all 30)")
-  # One XLA CPU device already runs its intra-op work on every core;
-  # sharding the rows over one device per core was slower (BENCHMARKS.md).
-  grpo.add_argument("--devices", type=int, default=1,
-                    help="CPU devices our step shards its rows over")
-  grpo.add_argument("--whole_rows", action="store_true",
-                    help="our update runs every row whole, as the peers "
-                    "do (rl.TrainStepConfig.share_prompts=False)")
-  grpo.add_argument("--peers", default="trl",
-                    help="comma-separated: trl (the `bench` extra), tunix "
-                    "(installed as BENCHMARKS.md says)")
-  offsets = sub.add_parser("offsets", help="attribution offsets of a "
-                           "response vs prefix decoding")
-  offsets.add_argument("--tokens", type=int, default=6000)
-  offsets.add_argument("--reps", type=int, default=3)
-  offsets.add_argument("--devices", type=int, default=1)
-  return parser.parse_args(argv)
-
-
-ARGS = _parse_args(sys.argv[1:])
-# Must precede the first jax import: one XLA CPU device per core.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count={ARGS.devices}")
 # With several CPU devices each calling LAPACK (the N > 12 Cholesky) while
 # torch's OpenMP pool is alive, a threaded OpenBLAS was seen to deadlock
 # here; one BLAS thread per caller avoids it (the peers' tiny solves are
-# single-threaded anyway).
+# single-threaded anyway). Read when OpenBLAS loads: before numpy.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from absl import app, flags  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 from cmimem_jax.cmi import banked_rho, residual_cmi  # noqa: E402
 from cmimem_jax.cmi.conditioning import ConditioningConfig  # noqa: E402
+from cmimem_jax.config import run_command  # noqa: E402
+from cmimem_jax.models.attention import ATTENTION_IMPLS  # noqa: E402
 from cmimem_jax.task.reward import gaussian_shaping  # noqa: E402
+
+# This tool's flags (its own: tools share flag names). The scenario is the
+# first positional argument; each takes the flags of its `SETTINGS` entry,
+# each at that entry's default unless given.
+FLAGS = flags.FlagValues()
+flags.DEFINE_enum("scenario", None, ["kernel", "workload", "all"],
+                  "cmi: the CMI scenarios run.", flag_values=FLAGS)
+flags.DEFINE_integer("devices", None, "CPU devices to shard over (cmi: the "
+                     "kernel batch; grpo_step: our step's rows).",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("reps", None, "Timed runs (the best is reported).",
+                     flag_values=FLAGS)
+flags.DEFINE_bool("quick", None, "cmi: smallest cases only (smoke test).",
+                  flag_values=FLAGS)
+flags.DEFINE_string("models", None, "forward / generate: comma-separated "
+                    "presets (random weights).", flag_values=FLAGS)
+flags.DEFINE_string("model", None, "train_step: the preset.",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("layers", None, "Override the layer count (0: the "
+                     "preset's; grpo_step: keep the first N decoder layers, "
+                     "0: all 30).", flag_values=FLAGS)
+flags.DEFINE_integer("batch", None, "Rows.", flag_values=FLAGS)
+flags.DEFINE_integer("length", None, "Tokens per row (forward), prompt "
+                     "length (generate), prompt + completion tokens per row "
+                     "(train_step).", flag_values=FLAGS)
+flags.DEFINE_integer("new_tokens", None, "Tokens generated per row.",
+                     flag_values=FLAGS)
+flags.DEFINE_enum("attention_impl", None, ATTENTION_IMPLS,
+                  "Our decoders' attention backend.", flag_values=FLAGS)
+flags.DEFINE_float("kl_beta", None, "train_step: > 0 adds the reference "
+                   "forward (ideal ratio ~4); grpo_step: the k3 KL weight.",
+                   flag_values=FLAGS)
+flags.DEFINE_integer("completion", None, "train_step: completion columns "
+                     "per row (0: half the row).", flag_values=FLAGS)
+flags.DEFINE_integer("group", None, "train_step: rows per shared prompt: "
+                     "> 1 also times the step over whole rows against the "
+                     "one that runs each prompt once "
+                     "(rl.TrainStepConfig.share_prompts); grpo_step: "
+                     "completions per prompt (GRPO's N).", flag_values=FLAGS)
+flags.DEFINE_enum("remat", None, ["none", "full", "dots"], "train_step: the "
+                  "layers' rematerialisation (Qwen3Config.remat).",
+                  flag_values=FLAGS)
+flags.DEFINE_bool("frozen_weights", None, "train_step: also time the "
+                  "update's gradient alone with every parameter trainable "
+                  "and with only the RMSNorm scales trainable: the floor of "
+                  "an adapter (LoRA) update, which computes no weight "
+                  "gradient.", flag_values=FLAGS)
+flags.DEFINE_integer("prompts", None, "grpo_step: prompts per step.",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("steps", None, "grpo_step: timed steps per side, after "
+                     "one warm-up step.", flag_values=FLAGS)
+flags.DEFINE_float("temperature", None, "grpo_step: sampling temperature.",
+                   flag_values=FLAGS)
+flags.DEFINE_float("top_p", None, "grpo_step: nucleus sampling's p.",
+                   flag_values=FLAGS)
+flags.DEFINE_float("learning_rate", None, "grpo_step: AdamW's rate.",
+                   flag_values=FLAGS)
+flags.DEFINE_bool("whole_rows", None, "grpo_step: our update runs every row "
+                  "whole, as the peers do "
+                  "(rl.TrainStepConfig.share_prompts=False).",
+                  flag_values=FLAGS)
+flags.DEFINE_string("peers", None, "grpo_step: comma-separated: trl (the "
+                    "`bench` extra), tunix (installed as BENCHMARKS.md "
+                    "says).", flag_values=FLAGS)
+flags.DEFINE_integer("tokens", None, "offsets: the response's tokens.",
+                     flag_values=FLAGS)
+
+_MODEL = {"models": "qwen3_0p6b,smollm2_135m", "layers": 0, "batch": 4,
+          "new_tokens": 128, "devices": 1, "attention_impl": "auto"}
+# Each scenario's flags and their defaults.
+SETTINGS = {
+    "cmi": {"scenario": "all", "devices": os.cpu_count() or 1, "reps": 3,
+            "quick": False},
+    "forward": {**_MODEL, "length": 512, "reps": 4},
+    "generate": {**_MODEL, "length": 128, "reps": 2},
+    "train_step": {"model": "smollm2_135m", "layers": 8, "batch": 4,
+                   "length": 256, "kl_beta": 0.0, "reps": 3, "devices": 1,
+                   "attention_impl": "auto", "completion": 0, "group": 1,
+                   "remat": "none", "frozen_weights": False},
+    # One XLA CPU device already runs its intra-op work on every core;
+    # sharding the rows over one device per core was slower (BENCHMARKS.md).
+    "grpo_step": {"prompts": 4, "group": 4, "new_tokens": 64, "steps": 3,
+                  "temperature": 1.0, "top_p": 1.0, "kl_beta": 0.02,
+                  "learning_rate": 1e-6, "layers": 0, "devices": 1,
+                  "whole_rows": False, "peers": "trl"},
+    "offsets": {"tokens": 6000, "reps": 3, "devices": 1},
+}
+# The settings of the scenario run (`main`).
+ARGS = types.SimpleNamespace()
+
+
+def scenario_settings(argv: list[str]) -> types.SimpleNamespace:
+  """The scenario `argv` names (its only positional argument) and its
+  settings: each of its flags as given, else at its default.
+
+  Raises:
+    app.UsageError: no known scenario, or a flag it does not take.
+  """
+  if len(argv) != 2 or argv[1] not in SETTINGS:
+    raise app.UsageError(f"give one scenario of {', '.join(SETTINGS)}, got "
+                         f"{' '.join(argv[1:]) or 'none'}")
+  command, defaults = argv[1], SETTINGS[argv[1]]
+  foreign = [f"--{name}" for name in FLAGS
+             if FLAGS[name].present and name not in defaults]
+  if foreign:
+    raise app.UsageError(f"{command} takes no {', '.join(foreign)}")
+  return types.SimpleNamespace(command=command, **{
+      name: FLAGS[name].value if FLAGS[name].present else default
+      for name, default in defaults.items()})
+
 
 LAM = 1e-4
 
@@ -999,7 +1015,19 @@ def transformers_logging() -> None:
   os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> None:
+  ARGS.__dict__.update(vars(scenario_settings(argv)))
+  # Before the first computation: one XLA CPU device per core (the backend
+  # reads XLA_FLAGS as it starts).
+  os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "")
+      + f" --xla_force_host_platform_device_count={ARGS.devices}")
   {"cmi": run_cmi, "forward": run_forward, "generate": run_generate,
    "train_step": run_train_step, "grpo_step": run_grpo_step,
    "offsets": run_offsets}[ARGS.command]()
+
+
+if __name__ == "__main__":
+  # Compile times are reported: never loaded from a cache.
+  run_command(main, flag_values=FLAGS, compilation_cache=False,
+              positional=True)

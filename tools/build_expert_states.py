@@ -3,7 +3,7 @@ trains on (its data was "synthesized by deepseek-v4-pro following the
 protocol of Shen et al. (2026)": MemBuilder's `state_before` of each
 session), with any OpenAI-compatible teacher model.
 
-  python tools/build_expert_states.py --config=configs/qwen3_4b.py \
+  python -m tools.build_expert_states --config=configs/qwen3_4b.py \
       --config.dataset.path=/data/longmemeval_rl_qa.json \
       --config.encoder.path=/ckpt/Qwen3-Embedding-0.6B \
       --output=/data/expert_states --base_url=https://HOST/v1 \
@@ -31,38 +31,48 @@ from __future__ import annotations
 import collections
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-
-from cmimem_jax.client import EndpointConfig, OpenAIClient  # noqa: E402
-from cmimem_jax.config import (check_failures, run_command,  # noqa: E402
-                               validate_config)
-from cmimem_jax.encoders import encoder_identity, make_encoder  # noqa: E402
-from cmimem_jax.evaluation.builders import (agents_responder,  # noqa: E402
-                                            policy_responder)
-from cmimem_jax.memory.compression import memory_editors  # noqa: E402
-from cmimem_jax.task.loop import training_dialogues  # noqa: E402
-from cmimem_jax.task.snapshots import build_expert_snapshots  # noqa: E402
+from cmimem_jax.client import EndpointConfig, OpenAIClient
+from cmimem_jax.config import (check_failures, define_command_line_flags,
+                               run_command, validate_config)
+from cmimem_jax.encoders import encoder_identity, make_encoder
+from cmimem_jax.evaluation.builders import agents_responder, policy_responder
+from cmimem_jax.memory.compression import memory_editors
+from cmimem_jax.task.loop import training_dialogues
+from cmimem_jax.task.snapshots import build_expert_snapshots
 
 FORMATS = ("agents", "dsl")
 
-flags.DEFINE_string("output", None, "Directory of the expert states.")
-flags.DEFINE_string("base_url", None, "The teacher's OpenAI-compatible URL.")
-flags.DEFINE_string("model", None, "The teacher model's name.")
+# This tool's flags (its own: tools share flag names).
+FLAGS = flags.FlagValues()
+define_command_line_flags(workdir=False, flag_values=FLAGS)
+
+flags.DEFINE_string("output", None, "Directory of the expert states.",
+                    flag_values=FLAGS)
+flags.DEFINE_string("base_url", None, "The teacher's OpenAI-compatible URL.",
+                    flag_values=FLAGS)
+flags.DEFINE_string("model", None, "The teacher model's name.",
+                    flag_values=FLAGS)
 flags.DEFINE_enum("format", "agents", FORMATS,
-                  "agents: Listings 1-4 (MemBuilder); dsl: Listings 6-7.")
+                  "agents: Listings 1-4 (MemBuilder); dsl: Listings 6-7.",
+                  flag_values=FLAGS)
 flags.DEFINE_string("api_key_env", "OPENAI_API_KEY",
-                    "Environment variable holding the teacher's API key.")
-flags.DEFINE_integer("max_tokens", 6000, "Teacher answer budget (tokens).")
-flags.DEFINE_integer("concurrency", 4, "Agent calls in flight at once.")
-flags.DEFINE_float("timeout_s", 300.0, "Per-call timeout of the teacher.")
-flags.DEFINE_integer("max_retries", 3, "Retries of a failed teacher call.")
+                    "Environment variable holding the teacher's API key.",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("max_tokens", 6000, "Teacher answer budget (tokens).",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("concurrency", 4, "Agent calls in flight at once.",
+                     flag_values=FLAGS)
+flags.DEFINE_float("timeout_s", 300.0, "Per-call timeout of the teacher.",
+                   flag_values=FLAGS)
+flags.DEFINE_integer("max_retries", 3, "Retries of a failed teacher call.",
+                     flag_values=FLAGS)
 flags.DEFINE_float("max_failure_rate", 0.0,
                    "Exit 0 although up to this fraction of the teacher calls "
-                   "failed (their states stay missing for a rerun).")
+                   "failed (their states stay missing for a rerun).",
+                   flag_values=FLAGS)
 
 
 def build(config, output: str, teacher, teacher_name: str,
@@ -103,22 +113,22 @@ def build(config, output: str, teacher, teacher_name: str,
 def main(argv: list[str]) -> None:
   del argv
   for name in ("output", "base_url", "model"):
-    if not getattr(flags.FLAGS, name):
+    if not getattr(FLAGS, name):
       raise app.UsageError(f"--{name} is required")
-  if not 0.0 <= flags.FLAGS.max_failure_rate <= 1.0:
+  if not 0.0 <= FLAGS.max_failure_rate <= 1.0:
     raise app.UsageError("--max_failure_rate must be in [0, 1]")
   teacher = OpenAIClient(EndpointConfig(
-      base_url=flags.FLAGS.base_url, model=flags.FLAGS.model,
-      api_key_env=flags.FLAGS.api_key_env, timeout_s=flags.FLAGS.timeout_s,
-      max_retries=flags.FLAGS.max_retries,
-      concurrency=flags.FLAGS.concurrency,
-      max_tokens=flags.FLAGS.max_tokens))
-  counts = build(flags.FLAGS.config, flags.FLAGS.output, teacher,
-                 flags.FLAGS.model, flags.FLAGS.format)
+      base_url=FLAGS.base_url, model=FLAGS.model,
+      api_key_env=FLAGS.api_key_env, timeout_s=FLAGS.timeout_s,
+      max_retries=FLAGS.max_retries,
+      concurrency=FLAGS.concurrency,
+      max_tokens=FLAGS.max_tokens))
+  counts = build(FLAGS.config, FLAGS.output, teacher,
+                 FLAGS.model, FLAGS.format)
   print(json.dumps(counts), flush=True)
   check_failures(counts["failed"], counts["built"] + counts["failed"],
-                 flags.FLAGS.max_failure_rate,
-                 f"sessions' teacher calls to {flags.FLAGS.base_url} "
+                 FLAGS.max_failure_rate,
+                 f"sessions' teacher calls to {FLAGS.base_url} "
                  f"(attempts by kind: "
                  f"{teacher.failures.as_dict()['failed_attempts']})",
                  f"{counts['missing']} states not built, none saved from a "
@@ -126,4 +136,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  run_command(main, workdir=False)
+  run_command(main, flag_values=FLAGS)

@@ -1,6 +1,6 @@
 """Our evaluation results beside the paper's published numbers.
 
-  python tools/compare_paper.py --results=/tmp/eval_locomo[,/tmp/eval_lme] \
+  python -m tools.compare_paper --results=/tmp/eval_locomo[,/tmp/eval_lme] \
       [--format=markdown|json] [--out=FILE]
 
 Each DIR is an `python -m cmimem_jax.evaluate` workdir (`results.json`,
@@ -13,41 +13,40 @@ those that differ from the paper's marked.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from absl import app, flags
 
-from cmimem_jax import storage  # noqa: E402
-from cmimem_jax.evaluation.paper import (OurResult, compare,  # noqa: E402
-                                         to_markdown)
+from cmimem_jax import storage
+from cmimem_jax.config import run_command
+from cmimem_jax.evaluation.paper import OurResult, compare, to_markdown
+
+# This tool's flags (its own: tools share flag names).
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("results", None, "Evaluation workdirs, comma separated.",
+                    flag_values=FLAGS, required=True)
+flags.DEFINE_enum("format", "markdown", ("markdown", "json"),
+                  "How the comparison is printed.", flag_values=FLAGS)
+flags.DEFINE_string("out", "", "Also write to this file.", flag_values=FLAGS)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--results", required=True,
-                      help="evaluation workdirs, comma separated")
-  parser.add_argument("--format", choices=("markdown", "json"),
-                      default="markdown")
-  parser.add_argument("--out", default="", help="also write to this file")
-  args = parser.parse_args(argv)
+def main(argv: list[str]) -> list[dict]:
+  del argv
+  args = FLAGS
   workdirs = [d for d in args.results.split(",") if d]
   try:
     missing = [path for path in (storage.join(d, "results.json")
                                  for d in workdirs)
                if not storage.path(path).exists()]
   except storage.StorageError as e:
-    parser.exit(2, f"{parser.prog}: error: {e}\n")
+    raise app.UsageError(str(e)) from e
   if missing or not workdirs:
-    parser.exit(2, f"{parser.prog}: error: no {', '.join(missing) or 'workdir'}"
-                " (--results takes `python -m cmimem_jax.evaluate` workdirs,"
-                " comma separated)\n")
-  try:
-    ours = [OurResult.load(d) for d in workdirs]
-  except (OSError, ValueError) as e:  # A garbage or unreadable file.
-    parser.exit(1, f"{parser.prog}: error: {e}\n")
+    raise app.UsageError(
+        f"no {', '.join(missing) or 'workdir'} (--results takes `python -m "
+        "cmimem_jax.evaluate` workdirs, comma separated)")
+  # A garbage or unreadable file: its ValueError / OSError is the line.
+  ours = [OurResult.load(d) for d in workdirs]
   comparisons = compare(ours)
   text = (to_markdown(comparisons) if args.format == "markdown"
           else json.dumps(comparisons, indent=1) + "\n")
@@ -58,4 +57,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-  main()
+  run_command(main, flag_values=FLAGS, compilation_cache=False)

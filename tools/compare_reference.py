@@ -1,10 +1,10 @@
 """Compares our Flax model with the `transformers` PyTorch reference.
 
-  python tools/compare_reference.py --hf_checkpoint=DIR [--kind=causal_lm]
-  python tools/compare_reference.py --hf_checkpoint=DIR --kind=embedding
-  python tools/compare_reference.py --hf_checkpoint=DIR --kind=bert
-  python tools/compare_reference.py --gguf=FILE [--hf_checkpoint=DIR]
-  python tools/compare_reference.py --hf_checkpoint=DIR --attention_impl=splash
+  python -m tools.compare_reference --hf_checkpoint=DIR [--kind=causal_lm]
+  python -m tools.compare_reference --hf_checkpoint=DIR --kind=embedding
+  python -m tools.compare_reference --hf_checkpoint=DIR --kind=bert
+  python -m tools.compare_reference --gguf=FILE [--hf_checkpoint=DIR]
+  python -m tools.compare_reference --hf_checkpoint=DIR --attention_impl=splash
 
 Both sides load the same checkpoint in float32 and run the same padded token
 batch (left padding for decoders, right for BERT). Prints one JSON line:
@@ -18,15 +18,26 @@ then carries it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 
 import numpy as np
+from absl import app, flags
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from cmimem_jax.models.attention import ATTENTION_IMPLS  # noqa: E402
+from cmimem_jax.config import run_command
+from cmimem_jax.models.attention import ATTENTION_IMPLS
+
+# This tool's flags (its own: tools share flag names).
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("hf_checkpoint", None, "HF checkpoint folder.",
+                    flag_values=FLAGS)
+flags.DEFINE_enum("kind", "causal_lm", ("causal_lm", "embedding", "bert"),
+                  "What the checkpoint is.", flag_values=FLAGS)
+flags.DEFINE_string("gguf", None, "GGUF file (causal_lm only).",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("seed", 0, "Seed of the token batch.", flag_values=FLAGS)
+flags.DEFINE_enum("attention_impl", "auto", ATTENTION_IMPLS,
+                  "Our decoders' attention backend.", flag_values=FLAGS)
 
 
 def _batch(vocab: int, seed: int, left: bool, batch: int = 4,
@@ -119,23 +130,15 @@ def compare_bert(directory: str, seed: int) -> dict:
 
 
 def main(argv: list[str]) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--hf_checkpoint", help="HF checkpoint folder")
-  parser.add_argument("--kind", choices=["causal_lm", "embedding", "bert"],
-                      default="causal_lm")
-  parser.add_argument("--gguf", help="GGUF file (causal_lm only)")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--attention_impl", default="auto",
-                      choices=ATTENTION_IMPLS,
-                      help="our decoders' attention backend")
-  args = parser.parse_args(argv)
+  del argv
+  args = FLAGS
   if not args.hf_checkpoint and not args.gguf:
-    parser.error("give --hf_checkpoint and/or --gguf")
+    raise app.UsageError("give --hf_checkpoint and/or --gguf")
   if args.kind == "causal_lm":
     result = compare_causal_lm(args.hf_checkpoint, args.gguf, args.seed,
                                args.attention_impl)
   elif args.gguf:
-    parser.error("--gguf is for --kind=causal_lm")
+    raise app.UsageError("--gguf is for --kind=causal_lm")
   elif args.kind == "embedding":
     result = compare_embedding(args.hf_checkpoint, args.seed,
                                args.attention_impl)
@@ -148,4 +151,4 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  run_command(main, flag_values=FLAGS, compilation_cache=False)

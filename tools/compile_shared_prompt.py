@@ -5,7 +5,7 @@ and prints its per-chip memory: one micro-batch of `--rows` rows whose
 groups of `--group` share a `--prompt`-token prompt, each row with a
 `--completion`-token response.
 
-  python tools/compile_shared_prompt.py --preset=qwen3_4b --rows=32 \
+  python -m tools.compile_shared_prompt --preset=qwen3_4b --rows=32 \
       --prompt=20000 --completion=6000 --group=8
 
 The defaults are `configs/paper.py`'s micro-batch on a v5p-8 (4 sessions
@@ -15,33 +15,43 @@ the KL reference, as `configs/qwen3_4b_tpu.py` trains.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from absl import app, flags
+
+from cmimem_jax.config import run_command
 
 GIB = 2.0 ** 30
 # v5p: one device per chip (megacore), as tools/plan.py's TOPOLOGIES.
 TOPOLOGIES = {"v5p-8": "v5:2x2x1", "v5p-16": "v5:2x2x2"}
 
+# This tool's flags (its own: tools share flag names).
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("preset", "qwen3_4b", "The architecture.",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("layers", 0, "Override the layer count (0: the "
+                     "preset's).", flag_values=FLAGS)
+flags.DEFINE_enum("topology", "v5p-8", sorted(TOPOLOGIES), "The TPU slice.",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("rows", 32, "Rows of the micro-batch.",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("prompt", 20000, "Tokens of each shared prompt.",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("completion", 6000, "Tokens of each row's response.",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("group", 8, "Rows per shared prompt.",
+                     flag_values=FLAGS)
 
-def main(argv: list[str] | None = None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--preset", default="qwen3_4b")
-  parser.add_argument("--layers", type=int, default=0,
-                      help="override the layer count (0: the preset's)")
-  parser.add_argument("--topology", default="v5p-8",
-                      choices=sorted(TOPOLOGIES))
-  parser.add_argument("--rows", type=int, default=32)
-  parser.add_argument("--prompt", type=int, default=20000)
-  parser.add_argument("--completion", type=int, default=6000)
-  parser.add_argument("--group", type=int, default=8)
-  args = parser.parse_args(argv)
+
+def main(argv: list[str]) -> dict:
+  del argv
+  args = FLAGS
   if args.rows % args.group:
-    parser.error(f"--rows={args.rows} is not whole groups of {args.group}")
+    raise app.UsageError(f"--rows={args.rows} is not whole groups of "
+                         f"{args.group}")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   import jax
   import jax.numpy as jnp
@@ -123,4 +133,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-  main()
+  # Its compile time is measured: never loaded from a cache.
+  run_command(main, flag_values=FLAGS, compilation_cache=False)

@@ -1,8 +1,8 @@
 """The accelerator check: what to run, once, on a lent GPU or TPU (under 8
 minutes), one JSON line per check.
 
-  python tools/device_check.py            # on the accelerator machine
-  python tools/device_check.py --small    # small shapes (the CPU test)
+  python -m tools.device_check            # on the accelerator machine
+  python -m tools.device_check --small    # small shapes (the CPU test)
 
 Checks, each against a peer on the same device:
   attention    the accelerator attention backend (cuDNN on GPU, Pallas
@@ -27,20 +27,18 @@ CPU-capable checks run (`--small` shapes in the test suite).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from cmimem_jax.config import run_command
 
 
 def best_time(fn: Callable[[], object], reps: int = 3) -> float:
@@ -309,13 +307,17 @@ CHECKS = {"attention": check_attention, "sampler": check_sampler,
           "vllm": check_vllm}
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--small", action="store_true",
-                      help="small shapes (CPU test suite)")
-  parser.add_argument("--checks", default=",".join(CHECKS),
-                      help="comma-separated subset of " + ",".join(CHECKS))
-  args = parser.parse_args(argv)
+# This tool's flags (its own: tools share flag names).
+FLAGS = flags.FlagValues()
+flags.DEFINE_bool("small", False, "Small shapes (CPU test suite).",
+                  flag_values=FLAGS)
+flags.DEFINE_string("checks", ",".join(CHECKS), "Comma-separated subset of "
+                    + ",".join(CHECKS) + ".", flag_values=FLAGS)
+
+
+def main(argv: list[str]) -> list[dict]:
+  del argv
+  args = FLAGS
   results = []
   device = jax.devices()[0]
   for name in args.checks.split(","):
@@ -334,4 +336,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-  main()
+  # Its timings are measured: nothing loaded from a compilation cache.
+  run_command(main, flag_values=FLAGS, compilation_cache=False)

@@ -2,14 +2,14 @@
 for the supervised warm start (`python -m cmimem_jax.sft`).
 
   # LoCoMo's own annotations as the teacher, conversations 0-6:
-  python tools/make_sft_data.py --input=../shared/data/locomo/locomo10.json \
+  python -m tools.make_sft_data --input=../shared/data/locomo/locomo10.json \
       --dialogues=0:7 --output=/tmp/sft.jsonl
   # Any OpenAI-compatible chat model as the teacher:
-  python tools/make_sft_data.py --input=... --base_url=http://HOST/v1 \
+  python -m tools.make_sft_data --input=... --base_url=http://HOST/v1 \
       --model=NAME --output=/tmp/sft.jsonl
   # The user's own sentences, any dataset (`make demo`'s warm start), each
   # response within an 80-token rollout:
-  python tools/make_sft_data.py --teacher=extractive --dataset=longmemeval \
+  python -m tools.make_sft_data --teacher=extractive --dataset=longmemeval \
       --input=cmimem_jax/data/bundled/longmemeval_train_sample.json \
       --max_response_tokens=80 --output=/tmp/sft.jsonl
 
@@ -24,28 +24,65 @@ sessions, whose prompts carry a large bank, instead of skipping them.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import ml_collections
+from absl import app, flags
 
-import ml_collections  # noqa: E402
+from cmimem_jax.client import EndpointConfig, OpenAIClient
+from cmimem_jax.config import (CallsFailed, check_failures, memory_defaults,
+                               run_command)
+from cmimem_jax.data import load_dataset
+from cmimem_jax.encoders import make_encoder
+from cmimem_jax.sampling import (load_tokenizer, policy_tokenizer_path,
+                                 token_budget)
+from cmimem_jax.task.build_memory import annotation_responder
+from cmimem_jax.task.warm_start import (endpoint_teacher, extractive_teacher,
+                                        response_budget, teacher_trajectories,
+                                        trimmed_count, write_jsonl)
+from configs import default
 
-from cmimem_jax.client import EndpointConfig, OpenAIClient  # noqa: E402
-from cmimem_jax.config import (CallsFailed, check_failures,  # noqa: E402
-                               memory_defaults)
-from cmimem_jax.data import load_dataset  # noqa: E402
-from cmimem_jax.encoders import make_encoder  # noqa: E402
-from cmimem_jax.sampling import (load_tokenizer,  # noqa: E402
-                                 policy_tokenizer_path, token_budget)
-from cmimem_jax.task.build_memory import annotation_responder  # noqa: E402
-from cmimem_jax.task.warm_start import (  # noqa: E402
-    endpoint_teacher, extractive_teacher,
-    response_budget, teacher_trajectories, trimmed_count, write_jsonl)
-from configs import default  # noqa: E402
+# This tool's flags (its own: tools share flag names).
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("input", None, "Dataset file.", flag_values=FLAGS,
+                    required=True)
+flags.DEFINE_string("dataset", "locomo", "locomo | longmemeval | "
+                    "memoryagentbench.", flag_values=FLAGS)
+flags.DEFINE_string("dialogues", ":", "START:STOP slice of the dialogues to "
+                    "use.", flag_values=FLAGS)
+flags.DEFINE_string("output", None, "JSONL to write.", flag_values=FLAGS,
+                    required=True)
+flags.DEFINE_string("encoder", "minilm", "Encoder for the prompt's "
+                    "retrieved memories (the training config's: minilm | "
+                    "hashing).", flag_values=FLAGS)
+flags.DEFINE_integer("dim", 384, "The encoder's dimension.",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("top_k", 20, "Retrieved entries per type in the "
+                     "prompt.", flag_values=FLAGS)
+flags.DEFINE_integer("max_prompt_tokens", 0, "> 0: a prompt over this many "
+                     "tokens is written with fewer retrieved entries per "
+                     "type, the least similar dropped first, until it fits "
+                     "(the teacher still answers the full prompt).",
+                     flag_values=FLAGS)
+flags.DEFINE_string("tokenizer", "", "Tokenizer for --max_prompt_tokens and "
+                    "--max_response_tokens (default: the default config's "
+                    "policy tokenizer).", flag_values=FLAGS)
+flags.DEFINE_enum("teacher", "", ("", "annotations", "extractive",
+                                  "endpoint"),
+                  "annotations: LoCoMo's (observations, event summaries); "
+                  "extractive: the user's own sentences (any dataset); "
+                  "endpoint: --base_url's model (default: endpoint when "
+                  "--base_url is set, else annotations).", flag_values=FLAGS)
+flags.DEFINE_integer("max_response_tokens", 0, "> 0: the extractive teacher "
+                     "writes only as many sentences as fit this many tokens, "
+                     "EOS included.", flag_values=FLAGS)
+flags.DEFINE_string("base_url", "", "Teacher endpoint.", flag_values=FLAGS)
+flags.DEFINE_string("model", "", "Teacher model name.", flag_values=FLAGS)
+flags.DEFINE_float("max_failure_rate", 0.0, "--teacher=endpoint: the share "
+                   "of failed teacher calls accepted (their sessions are "
+                   "rejected); above it, or when every call failed, nothing "
+                   "is written and the command exits 1.", flag_values=FLAGS)
 
 
 def dialogue_slice(text: str) -> slice:
@@ -54,52 +91,15 @@ def dialogue_slice(text: str) -> slice:
   return slice(int(start) if start else None, int(stop) if stop else None)
 
 
-def main(argv: list[str] | None = None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--input", required=True, help="dataset file")
-  parser.add_argument("--dataset", default="locomo",
-                      help="locomo | longmemeval | memoryagentbench")
-  parser.add_argument("--dialogues", default=":",
-                      help="START:STOP slice of the dialogues to use")
-  parser.add_argument("--output", required=True, help="JSONL to write")
-  parser.add_argument("--encoder", default="minilm",
-                      help="encoder for the prompt's retrieved memories "
-                      "(the training config's: minilm | hashing)")
-  parser.add_argument("--dim", type=int, default=384)
-  parser.add_argument("--top_k", type=int, default=20,
-                      help="retrieved entries per type in the prompt")
-  parser.add_argument("--max_prompt_tokens", type=int, default=0,
-                      help="> 0: a prompt over this many tokens is written "
-                      "with fewer retrieved entries per type, the least "
-                      "similar dropped first, until it fits (the teacher "
-                      "still answers the full prompt)")
-  parser.add_argument("--tokenizer", default="",
-                      help="tokenizer for --max_prompt_tokens and "
-                      "--max_response_tokens (default: the default "
-                      "config's policy tokenizer)")
-  parser.add_argument("--teacher", default="",
-                      choices=("", "annotations", "extractive", "endpoint"),
-                      help="annotations: LoCoMo's (observations, event "
-                      "summaries); extractive: the user's own sentences "
-                      "(any dataset); endpoint: --base_url's model "
-                      "(default: endpoint when --base_url is set, else "
-                      "annotations)")
-  parser.add_argument("--max_response_tokens", type=int, default=0,
-                      help="> 0: the extractive teacher writes only as many "
-                      "sentences as fit this many tokens, EOS included")
-  parser.add_argument("--base_url", default="", help="teacher endpoint")
-  parser.add_argument("--model", default="", help="teacher model name")
-  parser.add_argument("--max_failure_rate", type=float, default=0.0,
-                      help="--teacher=endpoint: the share of failed teacher "
-                      "calls accepted (their sessions are rejected); above "
-                      "it, or when every call failed, nothing is written "
-                      "and the command exits 1")
-  args = parser.parse_args(argv)
+def main(argv: list[str]) -> dict:
+  del argv
+  args = FLAGS
   teacher = args.teacher or ("endpoint" if args.base_url else "annotations")
   if (teacher == "endpoint") != bool(args.base_url):
-    parser.error("--base_url goes with --teacher=endpoint, and only with it")
+    raise app.UsageError("--base_url goes with --teacher=endpoint, and only "
+                         "with it")
   if args.max_response_tokens and teacher != "extractive":
-    parser.error("--max_response_tokens is the extractive teacher's")
+    raise app.UsageError("--max_response_tokens is the extractive teacher's")
   dialogues = load_dataset(args.dataset, args.input)[
       dialogue_slice(args.dialogues)]
   encoder = make_encoder(ml_collections.ConfigDict(
@@ -145,4 +145,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-  main()
+  run_command(main, flag_values=FLAGS)

@@ -2,13 +2,13 @@
 topology (or fake CPU devices).
 
   pip install -e ".[tpu]"       # libtpu: compiles for TPUs on any machine
-  python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8
-  python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=cpu:8 \
+  python -m tools.plan --config=configs/qwen3_4b_tpu.py --topology=v5p-8
+  python -m tools.plan --config=configs/qwen3_4b_tpu.py --topology=cpu:8 \
       --mesh=fsdp:4,tensor:2 --length=4096 --batch=1,2 --budgets=16,32
-  python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8 --run
-  python tools/plan.py --config=configs/qwen3_4b_tpu.py --topology=v5p-8 \
+  python -m tools.plan --config=configs/qwen3_4b_tpu.py --topology=v5p-8 --run
+  python -m tools.plan --config=configs/qwen3_4b_tpu.py --topology=v5p-8 \
       --run --concurrency=8,32,64 --call_latency_s=3
-  python tools/plan.py --config=configs/qwen3_4b_h20_vllm.py \
+  python -m tools.plan --config=configs/qwen3_4b_h20_vllm.py \
       --topology=v5p-16 --chip=h20 --run
 
 Builds the GRPO step a `Trainer` of the config runs (`task.loop.grpo_step`:
@@ -105,19 +105,22 @@ copy bandwidth) and 1.3 for the step.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import importlib.util
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+import types
 
 import numpy as np
+from absl import flags
+from ml_collections import config_flags
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from cmimem_jax.config import define_command_line_flags, run_command
+from cmimem_jax.task.scoring_rounds import (endpoint_concurrency,
+                                            endpoint_rounds,
+                                            scoring_after_decoding)
 
 GIB = 2.0 ** 30
 # A training job's resident set outside JAX's arrays at its train step:
@@ -166,81 +169,6 @@ TOPOLOGIES = {
     "v6e-16": Topology("v6e:4x4", "v6e", "default"),
     "v5e-16": Topology("v5e:4x4", "v5e", "default"),
 }
-
-
-def _args(argv):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--config", required=True)
-  parser.add_argument("--topology", default="cpu:8",
-                      help=f"one of {sorted(TOPOLOGIES)} or cpu:N")
-  parser.add_argument("--mesh", default="",
-                      help="mesh axes (default: fsdp over every device)")
-  parser.add_argument("--programs", default="train,rollout",
-                      help=f"comma separated, of {PROGRAMS}")
-  parser.add_argument("--batch", default="1",
-                      help="per chip, comma separated: training rows of a "
-                      "micro-batch; rollout prompts of a wave (each with "
-                      "rollout.num_rollouts rows)")
-  parser.add_argument("--length", default="",
-                      help="prompt + completion tokens, comma separated "
-                      "(default: the config's max_prompt_tokens + "
-                      "max_new_tokens)")
-  parser.add_argument("--completion", type=int, default=0,
-                      help="completion tokens (default: the config's "
-                      "max_new_tokens, capped at a quarter of --length)")
-  parser.add_argument("--budgets", default="",
-                      help="per-chip GiB budgets for the fit (default: the "
-                      "chip's HBM; cpu: 16,32,95)")
-  parser.add_argument("--preset", default="",
-                      help="override policy.preset (another architecture "
-                      "at the config's dtype / remat)")
-  parser.add_argument("--checkpoint", default="",
-                      help="the architecture of this HF checkpoint directory "
-                      "(its config.json) instead of the config's preset, "
-                      "e.g. the rehearsal's stand-in policy")
-  parser.add_argument("--layers", type=int, default=0,
-                      help="override the layer count (smoke tests)")
-  parser.add_argument("--cmi_shape", default="20,1024",
-                      help="N,d of the cmi_kernel program's memories")
-  parser.add_argument("--markdown", action="store_true",
-                      help="also print the compiled programs as a table")
-  parser.add_argument("--run", action="store_true",
-                      help="cost the config's whole GRPO run: compile its "
-                      "programs at the run's rows per chip (replaces "
-                      "--programs and --batch) and print a `run` line "
-                      "(hours, chip_hours, assumptions) and a table")
-  parser.add_argument("--sessions", type=int, default=0,
-                      help="--run: training sessions of one pass (default: "
-                      "the LongMemEval split's dialogues x "
-                      f"{LONGMEMEVAL_SESSIONS_PER_DIALOGUE})")
-  parser.add_argument("--call_latency_s", type=float, default=3.0,
-                      help="--run: seconds of one answer-model or judge "
-                      "call at the endpoint")
-  parser.add_argument("--concurrency", default="",
-                      help="--run: answer and judge calls in flight per "
-                      "endpoint, comma separated: a run line each "
-                      "(default: the config's qa.answer / "
-                      "qa.judge_endpoint concurrency)")
-  parser.add_argument("--host_s_per_rollout", type=float, default=-1.0,
-                      help="--run: host seconds per rollout (default -1: "
-                      "measure the attribution weights here)")
-  parser.add_argument("--cmi_ops", type=int, default=10,
-                      help="--run: scored memory operations per rollout")
-  parser.add_argument("--chip", default="",
-                      help="roofline and fit against this chip "
-                      f"({sorted(CHIPS)}, or `host`: this machine, "
-                      "measured) instead of the "
-                      "topology's; e.g. --topology=v5p-16 --chip=h20: "
-                      "8 devices priced as 8 H20s")
-  return parser.parse_args(argv)
-
-
-def _load_config(path: str):
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(path))))
-  spec = importlib.util.spec_from_file_location("plan_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
 
 
 def _devices(topology: str):
@@ -437,45 +365,6 @@ class RunShape:
                                // self.sessions_per_step)
 
 
-def call_rounds(calls: int, concurrency: int) -> int:
-  """Rounds of endpoint calls for `calls` answers sent at once with each
-  verdict asked as soon as its answer arrives
-  (`task.episode.RolloutScorer`), at most `concurrency` in flight at the
-  slower endpoint: ceil(calls / concurrency) rounds of answers, the last
-  verdicts a round later; 0 for no calls."""
-  return -(-calls // concurrency) + 1 if calls else 0
-
-
-def scoring_after_decoding(wave_calls: Sequence[int], concurrency: int,
-                           latency_s: float, wave_s: float,
-                           beside: bool = True) -> float:
-  """Seconds a step's endpoint calls outlast its last decoding wave, when
-  wave w's `wave_calls[w]` calls are sent as it is decoded, `wave_s` after
-  wave w - 1's (`rl.GRPOStep` with `score_beside_decoding`), into
-  endpoints that keep `concurrency` calls in flight for the whole step.
-
-  The endpoints work through the calls in the order they were sent, so
-  the last verdict comes when, for some wave w, the calls sent from wave
-  w on have all been served one after another since w arrived: at
-  max over w of [t_w + call_rounds(calls of waves w.., C) x L], with
-  t_w = (w + 1) x wave_s. Less the last wave's arrival t_W, what remains
-  after decoding is
-
-      max over w of [call_rounds(calls of waves w.., C) x L
-                     - (W - 1 - w) x wave_s]
-
-  (w = W - 1: the last wave's own calls alone), at least 0. The calls of
-  waves that end early enough are hidden behind the later waves'
-  decoding; a backlog that outlives them shows. `beside=False` (every
-  wave scored after the last): all the calls' rounds."""
-  if not beside:
-    return call_rounds(sum(wave_calls), concurrency) * latency_s
-  waves = len(wave_calls)
-  return max([0.0] + [
-      call_rounds(sum(wave_calls[w:]), concurrency) * latency_s
-      - (waves - 1 - w) * wave_s for w in range(waves)])
-
-
 def run_cost(shape: RunShape, seconds: dict[str, float]) -> dict:
   """The run's time from one call of each program (`seconds`, per chip,
   the chips in parallel): "rollout_prefill" (one wave's prompts),
@@ -541,32 +430,6 @@ def run_layout(config, chips: int, decoding_chips: int) -> dict[str, int]:
   return {"train": -(-rows // (rl.micro_batches * chips)),
           "rollout": -(-prompts // decoding_chips),
           "waves": -(-rl.sessions_per_batch // prompts)}
-
-
-def endpoint_concurrency(config, concurrency: int = 0) -> tuple[int, int]:
-  """(answer, judge) calls in flight at their endpoints: `concurrency`
-  for both, or the config's `qa.answer` / `qa.judge_endpoint`."""
-  qa = config.qa
-  if concurrency:
-    return concurrency, concurrency
-  return qa.answer.concurrency, qa.judge_endpoint.concurrency
-
-
-def endpoint_rounds(config, rollouts: int, questions: int,
-                    concurrency: int = 0) -> int:
-  """Rounds of endpoint calls of `rollouts` rollouts' scoring all at once
-  (`task.episode.RolloutScorer`): every rollout's answer calls are sent
-  at once, at most `concurrency` in flight per endpoint
-  (`endpoint_concurrency`), and each answer's judge call as soon as it
-  arrives, so N = rollouts x questions answers take ceil(N / C_answer)
-  rounds and the verdicts end one round after the last answer (or, with
-  a slower judge, ceil(N / C_judge) rounds after the first): ceil(N /
-  min(C_answer, C_judge)) + 1 (`call_rounds`). Every rollout valid (an
-  invalid one asks nothing). 0 without the LLM judge."""
-  if config.qa.judge != "llm":
-    return 0
-  return call_rounds(rollouts * questions,
-                     min(endpoint_concurrency(config, concurrency)))
 
 
 def host_seconds(rollouts: int, response_tokens: int) -> tuple[float, str]:
@@ -763,8 +626,8 @@ def _run(args, config, model_config, chip: Chip, layout: dict[str, int],
           "(rollout.score_beside_decoding, rl.GRPOStep); after the last "
           "wave what remains is max over waves w of [the rounds of the "
           "calls of waves w.. x the latency - the decoding after wave w] "
-          "(tools/plan.py scoring_after_decoding). Not counted: the host "
-          "work of applying a wave before its calls go out, during which "
+          "(task.scoring_rounds.scoring_after_decoding). Not counted: the "
+          "host work of applying a wave before its calls go out, during which "
           "the chips idle where scoring needs them (an in-process encoder, "
           "the policy as core compressor: the next wave is dispatched "
           "after it)")
@@ -1023,8 +886,76 @@ def resident_bytes(step, name: str) -> int:
              if hasattr(x, "sharding"))
 
 
-def main(argv=None) -> list[dict]:
-  args = _args(argv)
+# This tool's flags (its own: tools share flag names).
+FLAGS = flags.FlagValues()
+define_command_line_flags(workdir=False, flag_values=FLAGS)
+flags.DEFINE_string("topology", "cpu:8",
+                    f"One of {sorted(TOPOLOGIES)} or cpu:N.",
+                    flag_values=FLAGS)
+flags.DEFINE_string("mesh", "", "Mesh axes (default: fsdp over every "
+                    "device).", flag_values=FLAGS)
+flags.DEFINE_string("programs", "train,rollout",
+                    f"Comma separated, of {PROGRAMS}.", flag_values=FLAGS)
+flags.DEFINE_string("batch", "1", "Per chip, comma separated: training rows "
+                    "of a micro-batch; rollout prompts of a wave (each with "
+                    "rollout.num_rollouts rows).", flag_values=FLAGS)
+flags.DEFINE_string("length", "", "Prompt + completion tokens, comma "
+                    "separated (default: the config's max_prompt_tokens + "
+                    "max_new_tokens).", flag_values=FLAGS)
+flags.DEFINE_integer("completion", 0, "Completion tokens (default: the "
+                     "config's max_new_tokens, capped at a quarter of "
+                     "--length).", flag_values=FLAGS)
+flags.DEFINE_string("budgets", "", "Per-chip GiB budgets for the fit "
+                    "(default: the chip's HBM; cpu: 16,32,95).",
+                    flag_values=FLAGS)
+flags.DEFINE_string("preset", "", "Override policy.preset (another "
+                    "architecture at the config's dtype / remat).",
+                    flag_values=FLAGS)
+flags.DEFINE_string("checkpoint", "", "The architecture of this HF "
+                    "checkpoint directory (its config.json) instead of the "
+                    "config's preset, e.g. the rehearsal's stand-in policy.",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("layers", 0, "Override the layer count (smoke tests).",
+                     flag_values=FLAGS)
+flags.DEFINE_string("cmi_shape", "20,1024", "N,d of the cmi_kernel "
+                    "program's memories.", flag_values=FLAGS)
+flags.DEFINE_bool("markdown", False, "Also print the compiled programs as a "
+                  "table.", flag_values=FLAGS)
+flags.DEFINE_bool("run", False, "Cost the config's whole GRPO run: compile "
+                  "its programs at the run's rows per chip (replaces "
+                  "--programs and --batch) and print a `run` line (hours, "
+                  "chip_hours, assumptions) and a table.", flag_values=FLAGS)
+flags.DEFINE_integer("sessions", 0, "--run: training sessions of one pass "
+                     "(default: the LongMemEval split's dialogues x "
+                     f"{LONGMEMEVAL_SESSIONS_PER_DIALOGUE}).",
+                     flag_values=FLAGS)
+flags.DEFINE_float("call_latency_s", 3.0, "--run: seconds of one "
+                   "answer-model or judge call at the endpoint.",
+                   flag_values=FLAGS)
+flags.DEFINE_string("concurrency", "", "--run: answer and judge calls in "
+                    "flight per endpoint, comma separated: a run line each "
+                    "(default: the config's qa.answer / qa.judge_endpoint "
+                    "concurrency).", flag_values=FLAGS)
+flags.DEFINE_float("host_s_per_rollout", -1.0, "--run: host seconds per "
+                   "rollout (default -1: measure the attribution weights "
+                   "here).", flag_values=FLAGS)
+flags.DEFINE_integer("cmi_ops", 10, "--run: scored memory operations per "
+                     "rollout.", flag_values=FLAGS)
+flags.DEFINE_string("chip", "", f"Roofline and fit against this chip "
+                    f"({sorted(CHIPS)}, or `host`: this machine, measured) "
+                    "instead of the topology's; e.g. --topology=v5p-16 "
+                    "--chip=h20: 8 devices priced as 8 H20s.",
+                    flag_values=FLAGS)
+
+
+def main(argv: list[str]) -> list[dict]:
+  del argv
+  # The flags' values; `config` the file's name, which the lines name (the
+  # config itself is loaded by its flag).
+  args = types.SimpleNamespace(**{
+      name: value for name, value in FLAGS.flag_values_dict().items()
+      if "." not in name})
+  args.config = config_flags.get_config_filename(FLAGS["config"])
   # Compiling touches no TPU: several planners (or a test run beside one)
   # may load libtpu at once instead of waiting on its lockfile.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -1048,7 +979,7 @@ def main(argv=None) -> list[dict]:
     raise SystemExit(f"--mesh {shape} does not use the {len(devices)} "
                      f"devices of {args.topology}")
   mesh = Mesh(np.array(devices).reshape([shape[a] for a in AXES]), AXES)
-  config = _load_config(args.config)
+  config = FLAGS.config
   if args.chip == "host":
     chip = host_chip(config.policy.dtype)
   elif args.chip:
@@ -1226,4 +1157,6 @@ def _fit(name: str, length: int, points: list[tuple[int, float]],
 
 
 if __name__ == "__main__":
-  main()
+  # Its compile times are measured: never loaded from a cache.
+  run_command(main, workdir=False, flag_values=FLAGS,
+              compilation_cache=False)

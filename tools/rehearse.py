@@ -8,8 +8,8 @@ overridden, all in `RECIPE_OVERRIDES` below (tests/test_rehearse.py checks
 each key against an allow-list, so a rehearsal cannot pass by changing
 behaviour).
 
-Stand-ins for what this machine lacks (`tools/standins.py`,
-`tools/scripted_llm.py`): random-weight HF checkpoints shaped like
+Stand-ins for what this machine lacks (`cmimem_jax.testing.standins`,
+`cmimem_jax.testing.scripted_llm`): random-weight HF checkpoints shaped like
 Qwen3-4B-Instruct and Qwen3-Embedding with their own tokenizer (not
 SmolLM2's: a tokenizer mix-up fails), our own server
 (`python -m cmimem_jax.serve`) as the QA answer model, and a scripted
@@ -27,16 +27,15 @@ then the same command resumes; the metrics hold steps 1..N once each) ->
 evaluate (at a kept checkpoint step, the LLM judge; no transport failures)
 -> compare_paper. Train, evaluate and compare_paper run on the bucket as
 the TPU config documents (`--workdir=gs://...`): a GCS emulator
-(`tools/gcs_emulator.py`, fake-gcs-server) holds it, every client pointed
-there by `STORAGE_EMULATOR_HOST`. One line per stage, then a table; the
+(`cmimem_jax.testing.gcs_emulator`, fake-gcs-server) holds it, every
+client pointed there by `STORAGE_EMULATOR_HOST`. One line per stage, then a table; the
 exit status is non-zero and names the first stage that failed.
 
-  python tools/rehearse.py --workdir=DIR     # or: make rehearsal
+  python -m tools.rehearse --workdir=DIR     # or: make rehearsal
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -51,13 +50,13 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(__file__))
+from absl import flags
 
-from gcs_emulator import GcsEmulator  # noqa: E402
-from scripted_llm import ScriptedLLM  # noqa: E402
-
-from cmimem_jax import storage  # noqa: E402
-from cmimem_jax.rl import read_metrics  # noqa: E402
+from cmimem_jax import storage
+from cmimem_jax.config import run_command
+from cmimem_jax.rl import read_metrics
+from cmimem_jax.testing.gcs_emulator import GcsEmulator
+from cmimem_jax.testing.scripted_llm import ScriptedLLM
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PYTHON = sys.executable
@@ -74,17 +73,17 @@ BUCKET = "rehearsal"  # In the emulator; a user names their own.
 DOCUMENTED = {
     "serve": ("cmimem_jax/serve.py", "python -m cmimem_jax.serve"),
     "build_expert_states": ("tools/build_expert_states.py",
-                            "python tools/build_expert_states.py"),
+                            "python -m tools.build_expert_states"),
     "synthesize_qa": ("tools/synthesize_qa.py",
-                      "python tools/synthesize_qa.py"),
+                      "python -m tools.synthesize_qa"),
     "skip_calibration": ("tools/skip_calibration.py",
-                         "python tools/skip_calibration.py "
+                         "python -m tools.skip_calibration "
                          "--config=configs/qwen3_4b.py"),
     "train": ("configs/qwen3_4b_tpu.py", "python -m cmimem_jax.train"),
     "evaluate": ("configs/eval_qwen3_4b.py",
                  "python -m cmimem_jax.evaluate"),
     "compare_paper": ("tools/compare_paper.py",
-                      "python tools/compare_paper.py"),
+                      "python -m tools.compare_paper"),
 }
 # Every change to those commands, per stage, by flag: sizes, paths and
 # endpoints only ("config.X" flags override config fields). "{work}",
@@ -320,7 +319,8 @@ class Rehearsal:
 
   def standins(self) -> str:
     paths = json.loads(_run(
-        [PYTHON, "tools/standins.py", f"--output={self.work}/checkpoints"],
+        [PYTHON, "-m", "cmimem_jax.testing.standins",
+         f"--output={self.work}/checkpoints"],
         self._log("standins"), self.env))
     return ("policy and encoder checkpoints in "
             f"{os.path.dirname(paths['policy'])}")
@@ -505,16 +505,20 @@ class Rehearsal:
     return 0
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--workdir", required=True)
-  args = parser.parse_args()
+# This tool's flags (its own: tools share flag names).
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("workdir", None, "The rehearsal's directory (new).",
+                    flag_values=FLAGS, required=True)
+
+
+def main(argv: list[str]) -> int:
+  del argv
   try:
-    rehearsal = Rehearsal(args.workdir)
+    rehearsal = Rehearsal(FLAGS.workdir)
   except ValueError as e:
     sys.exit(f"error: {e}")
-  sys.exit(rehearsal.run())
+  return rehearsal.run()
 
 
 if __name__ == "__main__":
-  main()
+  run_command(main, flag_values=FLAGS, compilation_cache=False)

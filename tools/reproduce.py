@@ -5,7 +5,7 @@ held-out evaluation of the initial, warm-started and the three RL
 policies, with results tables (paired 95% bootstrap intervals over
 questions) and plots.
 
-  python tools/reproduce.py --config=configs/small_repro.py --workdir=DIR \
+  python -m tools.reproduce --config=configs/small_repro.py --workdir=DIR \
       [--stages=all]
 
 Stages (`--stages`, comma-separated, in this order; `all`, or `evaluate`
@@ -74,27 +74,28 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from absl import app, flags
+import numpy as np
 
-from absl import app, flags  # noqa: E402
-import numpy as np  # noqa: E402
-
-from cmimem_jax import storage  # noqa: E402
-from cmimem_jax.config import CONFIG_FILE, run_command  # noqa: E402
-from cmimem_jax.data import bundled_path, load_dataset  # noqa: E402
-from cmimem_jax.data.files import (write_atomic, write_figure,  # noqa: E402
-                                   write_json)
-from cmimem_jax.encoders import make_encoder  # noqa: E402
-from cmimem_jax.evaluation.metrics import bootstrap_interval  # noqa: E402
-from cmimem_jax.evaluation.run import evaluate, read_records  # noqa: E402
-from cmimem_jax.memory import MemoryBank  # noqa: E402
-from cmimem_jax.memory.types import ENTRY_TYPES  # noqa: E402
-from cmimem_jax.rl import read_metrics  # noqa: E402
-from cmimem_jax.sampling import (load_tokenizer,  # noqa: E402
-                                 policy_tokenizer_path, token_budget)
-from cmimem_jax.task.loop import train  # noqa: E402
-from cmimem_jax.task.warm_start import (annotation_trajectories,  # noqa: E402
-                                        run_sft, trimmed_count, write_jsonl)
+from cmimem_jax import storage
+from cmimem_jax.config import (CONFIG_FILE, define_command_line_flags,
+                               run_command)
+from cmimem_jax.data import bundled_path, load_dataset
+from cmimem_jax.data.files import write_atomic, write_figure, write_json
+from cmimem_jax.encoders import make_encoder
+from cmimem_jax.evaluation.compare import (differences_table,
+                                           paired_differences, pooled_table,
+                                           seed_pooled_differences,
+                                           workdir_differences)
+from cmimem_jax.evaluation.run import evaluate, read_records
+from cmimem_jax.memory import MemoryBank
+from cmimem_jax.memory.types import ENTRY_TYPES
+from cmimem_jax.rl import read_metrics
+from cmimem_jax.sampling import (load_tokenizer, policy_tokenizer_path,
+                                 token_budget)
+from cmimem_jax.task.loop import train
+from cmimem_jax.task.warm_start import (annotation_trajectories, run_sft,
+                                        trimmed_count, write_jsonl)
 
 
 class Policy(NamedTuple):
@@ -131,27 +132,35 @@ COMPARISONS = (("warm_start", "initial"), ("rl", "warm_start"),
                ("rl_qa_only", "warm_start"), ("rl_cmi_only", "warm_start"),
                ("rl", "rl_qa_only"), ("rl", "rl_cmi_only"))
 
+# This tool's flags (its own: tools share flag names): --config,
+# --workdir and these.
+FLAGS = flags.FlagValues()
+define_command_line_flags(flag_values=FLAGS)
 flags.DEFINE_list("stages", ["all"], "Stages to run, in order: "
                   f"{', '.join(STAGES)}; `all`, or `evaluate` for the "
-                  "evaluations.")
+                  "evaluations.", flag_values=FLAGS)
 flags.DEFINE_string("reuse", "", "A workdir of the same config whose "
                     "teacher data, warm start and initial / warm-start "
                     "evaluations this run takes over instead of recomputing "
                     "them: with another `--config.seed`, only GRPO and its "
                     "evaluations then vary (a recomputed warm start would "
-                    "shuffle its data by the seed too).")
+                    "shuffle its data by the seed too).",
+                    flag_values=FLAGS)
 flags.DEFINE_list("pool", [], "Workdirs of the same config run with other "
                   "seeds (`--config.seed`): `report` adds the differences "
-                  "per seed and averaged over the seeds.")
+                  "per seed and averaged over the seeds.",
+                  flag_values=FLAGS)
 flags.DEFINE_string("compare", "", "A workdir run on the same split with "
                     "another setting (e.g. `--config.sft.trim_retrieved`): "
                     "`report` adds, for each policy both evaluated, the "
-                    "paired differences this workdir minus that one.")
+                    "paired differences this workdir minus that one.",
+                    flag_values=FLAGS)
 flags.DEFINE_list("sweep", [], "Workdirs whose GRPO arms ran from this "
                   "one's warm start (`--reuse`) with another "
                   "`--config.rl.learning_rate`: `report` adds each arm's "
                   "validation curve per learning rate and the rate the "
-                  "validation picks (`sweep.md`, `sweep.png`).")
+                  "validation picks (`sweep.md`, `sweep.png`).",
+                  flag_values=FLAGS)
 
 
 def _slice(text: str) -> slice:
@@ -346,114 +355,6 @@ def arm_config(config, arm: Policy, warm_start_dir: str):
   return config
 
 
-def _question_pairs(records: dict[str, dict[str, dict]], policy: str,
-                    baseline: str, metric: str, excluded: Sequence[str]
-                    ) -> dict[str, tuple[float, float]]:
-  """question id -> (policy's score, baseline's score) on the questions
-  both scored, categories in `excluded` left out."""
-  return {qid: (record[metric], records[baseline][qid][metric])
-          for qid, record in records[policy].items()
-          if record.get("category") not in excluded
-          and record.get(metric) is not None
-          and records[baseline].get(qid, {}).get(metric) is not None}
-
-
-def paired_differences(records: dict[str, dict[str, dict]],
-                       metrics: Sequence[str] = ("context_recall",
-                                                 "evidence_recall"),
-                       excluded: Sequence[str] = ("adversarial",),
-                       seed: int = 0) -> list[dict]:
-  """`COMPARISONS` of the evaluated policies on the questions both scored
-  (categories in `excluded` left out, as the overall figure does): the
-  mean per-question difference and its 95% paired bootstrap interval.
-
-  Args:
-    records: policy -> question id -> evaluation record.
-  """
-  return seed_pooled_differences([records], metrics, excluded, seed)
-
-
-def seed_pooled_differences(runs: Sequence[dict[str, dict[str, dict]]],
-                            metrics: Sequence[str] = ("context_recall",
-                                                      "evidence_recall"),
-                            excluded: Sequence[str] = ("adversarial",),
-                            seed: int = 0) -> list[dict]:
-  """`paired_differences` over runs of the same recipe with different
-  seeds: per question, the difference averaged over the runs, and its 95%
-  bootstrap interval over questions (questions every run scored). With
-  few runs the interval reflects the questions' spread, not the seeds';
-  `per_run` lists each run's own mean difference on the same questions.
-
-  Args:
-    runs: one `records` (policy -> question id -> record) per seed.
-  """
-  rng = np.random.default_rng(seed)
-  rows = []
-  for policy, baseline in COMPARISONS:
-    if any(policy not in r or baseline not in r for r in runs):
-      continue
-    for metric in metrics:
-      pairs = [_question_pairs(r, policy, baseline, metric, excluded)
-               for r in runs]
-      # In the first run's order: one run's intervals stay as they were.
-      questions = [q for q in pairs[0] if all(q in p for p in pairs[1:])]
-      if not questions:
-        continue
-      scores = np.array([[p[q] for q in questions] for p in pairs],
-                        float)                       # [runs, Q, 2]
-      ours, theirs = scores[..., 0].mean(0), scores[..., 1].mean(0)
-      low, high = bootstrap_interval(ours - theirs, rng)
-      row = {"policy": policy, "baseline": baseline, "metric": metric,
-             "n": len(questions), "policy_mean": float(ours.mean()),
-             "baseline_mean": float(theirs.mean()),
-             "difference": float((ours - theirs).mean()),
-             "ci95": [low, high]}
-      if len(runs) > 1:
-        row["per_run"] = [float(d) for d in
-                          (scores[..., 0] - scores[..., 1]).mean(1)]
-      rows.append(row)
-  return rows
-
-
-def workdir_differences(records: dict[str, dict[str, dict]],
-                        other: dict[str, dict[str, dict]],
-                        metrics: Sequence[str] = ("context_recall",
-                                                  "evidence_recall"),
-                        excluded: Sequence[str] = ("adversarial",),
-                        seed: int = 0) -> list[dict]:
-  """Each policy evaluated in both workdirs (policy -> question id ->
-  record), this one minus `other`, on the questions both scored: the mean
-  per-question difference and its 95% paired bootstrap interval."""
-  rng = np.random.default_rng(seed)
-  rows = []
-  for policy in (p for p in POLICIES if p in records and p in other):
-    both = {"this": records[policy], "other": other[policy]}
-    for metric in metrics:
-      pairs = _question_pairs(both, "this", "other", metric, excluded)
-      if not pairs:
-        continue
-      scores = np.array(list(pairs.values()), float)       # [Q, 2]
-      low, high = bootstrap_interval(scores[:, 0] - scores[:, 1], rng)
-      rows.append({"policy": policy, "baseline": policy, "metric": metric,
-                   "n": len(pairs), "policy_mean": float(scores[:, 0].mean()),
-                   "baseline_mean": float(scores[:, 1].mean()),
-                   "difference": float((scores[:, 0] - scores[:, 1]).mean()),
-                   "ci95": [low, high]})
-  return rows
-
-
-def pooled_table(rows: list[dict]) -> str:
-  lines = ["| policy − baseline | metric | n | difference per seed | "
-           "seed-averaged difference [95% CI] |", "|---|---|---|---|---|"]
-  for r in rows:
-    low, high = r["ci95"]
-    per_run = ", ".join(f"{d:+.3f}" for d in r["per_run"])
-    lines.append(f"| {r['policy']} − {r['baseline']} | {r['metric']} | "
-                 f"{r['n']} | {per_run} | {r['difference']:+.3f} "
-                 f"[{low:+.3f}, {high:+.3f}] |")
-  return "\n".join(lines)
-
-
 def _eval_dirs(workdir: str, under: str = "eval") -> dict[str, str]:
   """policy -> its evaluation directory under `workdir/under`."""
   return {p: os.path.join(workdir, under, p) for p in POLICIES}
@@ -465,18 +366,6 @@ def _evaluated_records(eval_dirs: dict[str, str]
   return {policy: read_records(os.path.join(directory, "predictions.jsonl"))
           for policy, directory in eval_dirs.items()
           if os.path.exists(os.path.join(directory, "results.json"))}
-
-
-def differences_table(rows: list[dict]) -> str:
-  lines = ["| policy − baseline | metric | n | policy | baseline | "
-           "difference [95% CI] |", "|---|---|---|---|---|---|"]
-  for r in rows:
-    low, high = r["ci95"]
-    lines.append(f"| {r['policy']} − {r['baseline']} | {r['metric']} | "
-                 f"{r['n']} | {r['policy_mean']:.3f} | "
-                 f"{r['baseline_mean']:.3f} | {r['difference']:+.3f} "
-                 f"[{low:+.3f}, {high:+.3f}] |")
-  return "\n".join(lines)
 
 
 def bank_sizes(directory: str) -> dict[str, int] | None:
@@ -936,14 +825,14 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
     plots += plot_training(arms["CMI+QA"], sft_metrics, workdir)
   if arms:
     plots.append(plot_arms(arms, workdir))
-  differences = paired_differences(records)
+  differences = paired_differences(records, COMPARISONS)
   write_json(os.path.join(workdir, "differences.json"), differences)
   data = os.path.join(workdir, "sft_data.jsonl")
   lines = [
       "# Small reproduction (configs/small_repro.py)", "",
       ("Command (the invocation that wrote this report): "
        f"`{command}`" if command else
-       "Command: `python tools/reproduce.py --config=configs/small_repro.py "
+       "Command: `python -m tools.reproduce --config=configs/small_repro.py "
        f"--workdir={workdir}`"), "",
       "## Split", "",
       f"- warm start (LoCoMo annotations as teacher): "
@@ -976,7 +865,7 @@ def report(workdir: str, teachers, held_out, wall: dict[str, float],
   if pool:
     runs = [records] + [_evaluated_records(_eval_dirs(other))
                         for other in pool]
-    pooled = seed_pooled_differences(runs)
+    pooled = seed_pooled_differences(runs, COMPARISONS)
     write_json(os.path.join(workdir, "pooled_differences.json"),
                {"workdirs": [workdir, *pool], "rows": pooled})
     lines += [f"## Seeds pooled ({len(runs)} runs: this one, "
@@ -1017,7 +906,7 @@ def equal_budget_section(workdir: str) -> list[str]:
                          "settings.json")) as f:
     budget = json.load(f)["memory"]["chunk_budget_chars"]
   records = _evaluated_records(eval_dirs)
-  differences = paired_differences(records)
+  differences = paired_differences(records, COMPARISONS)
   write_json(os.path.join(workdir, "differences_equal_budget.json"),
              differences)
   return [f"## At a common LookupChunk budget ({budget:,} characters for "
@@ -1031,7 +920,8 @@ def compare_report(workdir: str, other: str, eval_dirs: dict[str, str]
   """RESULTS.md's section pairing this workdir's evaluations with those
   of `other` (also `compared.json`)."""
   rows = workdir_differences(_evaluated_records(eval_dirs),
-                             _evaluated_records(_eval_dirs(other)))
+                             _evaluated_records(_eval_dirs(other)),
+                             list(POLICIES))
   write_json(os.path.join(workdir, "compared.json"),
              {"workdirs": [workdir, other], "rows": rows})
   names = [os.path.basename(os.path.normpath(d)) for d in (workdir, other)]
@@ -1119,30 +1009,31 @@ def read_lines(path: str) -> list[str]:
 
 def main(argv: list[str]) -> None:
   del argv
-  if not flags.FLAGS.workdir:
+  if not FLAGS.workdir:
     raise app.UsageError("--workdir is required")
-  if any(storage.is_remote(d) for d in [flags.FLAGS.workdir,
-                                        *flags.FLAGS.pool, *flags.FLAGS.sweep,
-                                        flags.FLAGS.reuse,
-                                        flags.FLAGS.compare]):
-    raise app.UsageError("tools/reproduce.py keeps its workdirs on local "
+  if any(storage.is_remote(d) for d in [FLAGS.workdir,
+                                        *FLAGS.pool, *FLAGS.sweep,
+                                        FLAGS.reuse,
+                                        FLAGS.compare]):
+    raise app.UsageError("tools.reproduce keeps its workdirs on local "
                          "disk (it links stage outputs between them); "
                          "python -m cmimem_jax.train / evaluate take "
                          "--workdir=gs://...")
-  missing = [d for d in [*flags.FLAGS.pool, *flags.FLAGS.sweep,
-                         flags.FLAGS.reuse, flags.FLAGS.compare]
+  missing = [d for d in [*FLAGS.pool, *FLAGS.sweep,
+                         FLAGS.reuse, FLAGS.compare]
              if d and not os.path.isfile(os.path.join(d, "stages.json"))]
   if missing:
     raise app.UsageError(f"--pool / --reuse: not a workdir of this tool "
                          f"(no stages.json): {', '.join(missing)}")
-  text = reproduce(flags.FLAGS.config, flags.FLAGS.workdir,
-                   parse_stages(flags.FLAGS.stages), flags.FLAGS.pool,
-                   flags.FLAGS.reuse,
-                   shlex.join(["python", "tools/reproduce.py", *sys.argv[1:]]),
-                   flags.FLAGS.sweep, flags.FLAGS.compare)
+  text = reproduce(FLAGS.config, FLAGS.workdir,
+                   parse_stages(FLAGS.stages), FLAGS.pool,
+                   FLAGS.reuse,
+                   shlex.join(["python", "-m", "tools.reproduce",
+                               *sys.argv[1:]]),
+                   FLAGS.sweep, FLAGS.compare)
   if text is not None:
     print(text)
 
 
 if __name__ == "__main__":
-  run_command(main)
+  run_command(main, flag_values=FLAGS)

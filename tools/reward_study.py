@@ -1,7 +1,7 @@
 """Does the CMI reward rank memory operations by their use? A validity study
 on LoCoMo with its annotations, no training needed.
 
-  python tools/reward_study.py --config=configs/reward_study.py --output=DIR
+  python -m tools.reward_study --config=configs/reward_study.py --output=DIR
       [--config.study.conversations=0:1]
 
 For each session t of the chosen conversations, the bank M_{t-1} is the
@@ -40,32 +40,33 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import numpy as np
+from absl import flags, logging
 
-import numpy as np  # noqa: E402
-from absl import flags, logging  # noqa: E402
-from scipy.stats import rankdata  # noqa: E402
-
-from cmimem_jax.task.reward import (RewardComputer, RewardConfig,  # noqa: E402
+from cmimem_jax.config import (define_command_line_flags, run_command,
+                               validate_config)
+from cmimem_jax.data import Dialogue, load_dataset
+from cmimem_jax.data.files import write_atomic, write_figure, write_json
+from cmimem_jax.encoders import make_encoder
+from cmimem_jax.evaluation.compare import auc, spearman
+from cmimem_jax.evaluation.judges import context_recall
+from cmimem_jax.evaluation.metrics import bootstrap_interval
+from cmimem_jax.memory import MemoryBank
+from cmimem_jax.memory.annotations import locomo_annotation_operations
+from cmimem_jax.memory.bank import embed_texts
+from cmimem_jax.memory.builder import build_bank
+from cmimem_jax.memory.types import ENTRY_TYPES, Action, MemoryType, Operation
+from cmimem_jax.task.build_memory import annotation_responder
+from cmimem_jax.task.reward import (RewardComputer, RewardConfig,
                                     gaussian_shaping, normalize_text)
-from cmimem_jax.config import run_command, validate_config  # noqa: E402
-from cmimem_jax.data import Dialogue, load_dataset  # noqa: E402
-from cmimem_jax.data.files import (write_atomic, write_figure,  # noqa: E402
-                                   write_json)
-from cmimem_jax.encoders import make_encoder  # noqa: E402
-from cmimem_jax.evaluation.judges import context_recall  # noqa: E402
-from cmimem_jax.evaluation.metrics import bootstrap_interval  # noqa: E402
-from cmimem_jax.memory import MemoryBank  # noqa: E402
-from cmimem_jax.memory.annotations import (  # noqa: E402
-    locomo_annotation_operations)
-from cmimem_jax.memory.bank import embed_texts  # noqa: E402
-from cmimem_jax.memory.builder import build_bank  # noqa: E402
-from cmimem_jax.memory.types import (ENTRY_TYPES, Action,  # noqa: E402
-                                     MemoryType, Operation)
-from cmimem_jax.task.build_memory import annotation_responder  # noqa: E402
+
+# This tool's flags (its own: tools share flag names).
+FLAGS = flags.FlagValues()
+define_command_line_flags(workdir=False, flag_values=FLAGS)
+flags.DEFINE_string("output", None, "Directory for study.json/md/png.",
+                    flag_values=FLAGS)
 
 CLASSES = ("own", "duplicate", "paraphrase", "irrelevant", "future")
 ESTIMATORS = ("residual", "cosine")
@@ -172,26 +173,6 @@ class UseMeter:
         evidence_deltas.append(ev1 - ev0)
     return (float(np.mean(context_deltas)) if context_deltas else 0.0,
             float(np.mean(evidence_deltas)) if evidence_deltas else 0.0)
-
-
-def spearman(x: np.ndarray, y: np.ndarray) -> float:
-  """Spearman's rank correlation (nan if either side is constant)."""
-  rx, ry = rankdata(x), rankdata(y)
-  if rx.std() == 0 or ry.std() == 0:
-    return float("nan")
-  return float(np.corrcoef(rx, ry)[0, 1])
-
-
-def auc(scores: np.ndarray, positive: np.ndarray) -> float:
-  """P(score of a positive > score of a negative), ties half (the
-  Mann-Whitney AUC); nan without both kinds."""
-  positive = np.asarray(positive, bool)
-  n_pos, n_neg = positive.sum(), (~positive).sum()
-  if not n_pos or not n_neg:
-    return float("nan")
-  ranks = rankdata(scores)
-  return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2)
-               / (n_pos * n_neg))
 
 
 def score_conversation(dialogue: Dialogue, other: Dialogue, encoder,
@@ -371,18 +352,15 @@ def run(config, output: str) -> dict:
 
 def main(argv: list[str]) -> None:
   del argv
-  if not flags.FLAGS.output:
+  if not FLAGS.output:
     raise ValueError("--output=DIR is required")
-  result = run(flags.FLAGS.config, flags.FLAGS.output)
+  result = run(FLAGS.config, FLAGS.output)
   print(to_markdown({k: result[k] for k in ("operations", "used", "classes",
                                             "estimators")},
                     result["settings"]))
-  print(json.dumps({"output": flags.FLAGS.output,
+  print(json.dumps({"output": FLAGS.output,
                     "seconds": result["settings"]["seconds"]}))
 
 
 if __name__ == "__main__":
-  # Defined here, not at import: the tests import this module beside other
-  # tools that define their own --output.
-  flags.DEFINE_string("output", None, "Directory for study.json/md/png.")
-  run_command(main, workdir=False)
+  run_command(main, flag_values=FLAGS)

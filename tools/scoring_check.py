@@ -2,7 +2,8 @@
 and of its overlap with decoding, on this CPU: trains `configs/tiny.py`
 (grammar-constrained rollouts, so they are valid and ask questions) with
 the LLM judge, whose answer model and judge are two latency stand-ins
-(`tools/scripted_llm.py --latency_s`), decoding each step in waves of
+(`cmimem_jax.testing.scripted_llm --latency_s`), decoding each step in
+waves of
 `--max_rows_per_wave` rows, twice at the same seed: scoring each wave as
 it is decoded while the next decodes (`rollout.score_beside_decoding`,
 what training runs) and scoring after the last wave (the serial order).
@@ -10,19 +11,18 @@ what training runs) and scoring after the last wave (the serial order).
 It prints, per step, what the trainer measured in each run (`sample_s`:
 decoding; `reward_s`: the scoring after it) beside the plan's model: the
 serial scoring stage `(ceil(N / C) + 1) x L` for the step's N answer
-calls (`plan.call_rounds`), and the calls' rounds left after the last
-wave when each wave's are sent as it is decoded
-(`plan.scoring_after_decoding`, with the run's own measured seconds a
-wave), and the old serial scoring's `2 x valid rollouts x L`. It exits
+calls (`task.scoring_rounds.call_rounds`), and the calls' rounds left
+after the last wave when each wave's are sent as it is decoded
+(`task.scoring_rounds.scoring_after_decoding`, with the run's own measured
+seconds a wave), and the old serial scoring's `2 x valid rollouts x L`. It exits
 non-zero if the two runs' rollouts (`rollouts.jsonl`) or rewards differ.
 
-  python tools/scoring_check.py --latency_s=0.2 --concurrency=4 --steps=3 \
+  python -m tools.scoring_check --latency_s=0.2 --concurrency=4 --steps=3 \
       --max_rows_per_wave=4
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -30,11 +30,34 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from absl import app, flags
 
-from scripted_llm import ScriptedLLM  # noqa: E402
+from cmimem_jax.config import run_command
+from cmimem_jax.data import bundled_path, load_dataset
+from cmimem_jax.rl import read_metrics, read_rollouts
+from cmimem_jax.sampling.sampler import wave_rows
+from cmimem_jax.task.episode import session_questions
+from cmimem_jax.task.scoring_rounds import call_rounds, scoring_after_decoding
+from cmimem_jax.testing.scripted_llm import ScriptedLLM
+from configs import tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# This tool's flags (its own: tools share flag names).
+FLAGS = flags.FlagValues()
+flags.DEFINE_float("latency_s", 0.2, "Seconds each stand-in call takes.",
+                   flag_values=FLAGS)
+flags.DEFINE_integer("concurrency", 8, "Answer and judge calls in flight "
+                     "per endpoint.", flag_values=FLAGS)
+flags.DEFINE_integer("steps", 3, "GRPO steps trained per run.",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("max_rows_per_wave", 4, "Rows decoded at once (whole "
+                     "groups of 4: configs/tiny.py's 12 rows a step in 3 "
+                     "waves).", flag_values=FLAGS)
+flags.DEFINE_integer("max_new_tokens", 64, "Tokens per rollout.",
+                     flag_values=FLAGS)
+flags.DEFINE_string("workdir", "", "Where the two training runs go "
+                    "(default: a temporary directory).", flag_values=FLAGS)
 
 # The two runs: scoring each wave beside the next one's decoding, and
 # after the last wave.
@@ -44,7 +67,6 @@ ORDERS = {"beside": True, "serial": False}
 def _train(args, workdir: str, beside: bool) -> dict:
   """One training run of configs/tiny.py on two fresh latency stand-ins:
   its metrics, rollout records and the stand-ins' stats."""
-  from cmimem_jax.rl import read_metrics, read_rollouts
   with ScriptedLLM(latency_s=args.latency_s) as answers, ScriptedLLM(
       latency_s=args.latency_s) as judges:
     overrides = {
@@ -90,29 +112,15 @@ def _wave_calls(records: list[dict], questions: dict[str, int],
           for step, calls in rows.items()}
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--latency_s", type=float, default=0.2)
-  parser.add_argument("--concurrency", type=int, default=8)
-  parser.add_argument("--steps", type=int, default=3)
-  parser.add_argument("--max_rows_per_wave", type=int, default=4,
-                      help="rows decoded at once (whole groups of 4: "
-                      "configs/tiny.py's 12 rows a step in 3 waves)")
-  parser.add_argument("--max_new_tokens", type=int, default=64)
-  parser.add_argument("--workdir", default="",
-                      help="where the two training runs go (default: a "
-                      "temporary directory)")
-  args = parser.parse_args(argv)
+def main(argv: list[str]) -> list[dict]:
+  del argv
+  args = FLAGS
   if (args.latency_s <= 0 or args.concurrency < 1 or args.steps < 1
       or args.max_rows_per_wave < 0 or args.max_new_tokens < 1):
-    parser.error("--latency_s must be > 0, --concurrency, --steps and "
-                 "--max_new_tokens >= 1, --max_rows_per_wave >= 0")
-  from cmimem_jax.data import bundled_path, load_dataset
-  from cmimem_jax.sampling.sampler import wave_rows
-  from cmimem_jax.task.episode import session_questions
-  import plan
-
-  config = plan._load_config(os.path.join(ROOT, "configs", "tiny.py"))
+    raise app.UsageError("--latency_s must be > 0, --concurrency, --steps "
+                         "and --max_new_tokens >= 1, --max_rows_per_wave "
+                         ">= 0")
+  config = tiny.get_config()
   group = config.rollout.num_rollouts
   rows_per_step = config.rl.sessions_per_batch * group
   wave = min(wave_rows(rows_per_step, group, 1, args.max_rows_per_wave),
@@ -149,8 +157,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                f"{len(calls)} expected")
     # The model from the run's own decoding: its waves are equal.
     wave_s = ours["sample_s"] / len(calls)
-    after = plan.scoring_after_decoding(calls, args.concurrency,
-                                        args.latency_s, wave_s)
+    after = scoring_after_decoding(calls, args.concurrency, args.latency_s,
+                                   wave_s)
     rows.append({
         "step": step, "waves": len(calls), "wave_calls": calls,
         "valid_rollouts": valid[step], "answer_calls": sum(calls),
@@ -163,7 +171,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    "wave_scoring_s": round(ours["wave_scoring_s"], 3),
                    "total_s": round(ours["sample_s"] + ours["reward_s"], 3)},
         "model": {
-            "scoring_s": round(plan.call_rounds(
+            "scoring_s": round(call_rounds(
                 sum(calls), args.concurrency) * args.latency_s, 3),
             "scoring_after_s": round(after, 3),
             "beside_total_s": round(ours["sample_s"] + after, 3)},
@@ -176,4 +184,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-  main()
+  run_command(main, flag_values=FLAGS, compilation_cache=False)

@@ -1,9 +1,9 @@
 """Calibrates the Semantic SKIP judgement of one encoder on constructed
 LoCoMo cases, and stores its thresholds in the calibration table.
 
-  python tools/skip_calibration.py --config=configs/reward_study.py \
+  python -m tools.skip_calibration --config=configs/reward_study.py \
       --output=results/skip_calibration/coverage [--choose=0:5 --check=5:7]
-  python tools/skip_calibration.py --config=configs/qwen3_4b.py \
+  python -m tools.skip_calibration --config=configs/qwen3_4b.py \
       --config.encoder.path=/ckpt/Qwen3-Embedding-0.6B \
       --locomo=../shared/data/locomo/locomo10.json \
       --output=/data/skip_calibration --table=/data/skip_calibration.json
@@ -61,30 +61,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
+import numpy as np
+from absl import flags, logging
 
-import numpy as np  # noqa: E402
-from absl import flags, logging  # noqa: E402
-
-from cmimem_jax.cmi.banked import banked_rho  # noqa: E402
-from cmimem_jax.task.reward import (RewardComputer, RewardConfig,  # noqa: E402
+from cmimem_jax.cmi.banked import banked_rho
+from cmimem_jax.config import (define_command_line_flags, run_command,
+                               validate_config)
+from cmimem_jax.data import Dialogue, load_dataset
+from cmimem_jax.data.files import write_atomic, write_json
+from cmimem_jax.data.fragments import user_statements
+from cmimem_jax.encoders import encoder_identity, make_encoder
+from cmimem_jax.evaluation.compare import auc
+from cmimem_jax.memory import MemoryBank, parse
+from cmimem_jax.memory.apply import apply_operations
+from cmimem_jax.memory.builder import build_bank
+from cmimem_jax.memory.types import Action, MemoryType, Operation
+from cmimem_jax.task.build_memory import annotation_responder
+from cmimem_jax.task.reward import (RewardComputer, RewardConfig,
                                     RolloutInput, skip_coverage)
-from cmimem_jax.task.skip_table import table_path, write_entry  # noqa: E402
-from cmimem_jax.config import run_command, validate_config  # noqa: E402
-from cmimem_jax.data import Dialogue, load_dataset  # noqa: E402
-from cmimem_jax.data.files import write_atomic, write_json  # noqa: E402
-from cmimem_jax.data.fragments import user_statements  # noqa: E402
-from cmimem_jax.encoders import encoder_identity, make_encoder  # noqa: E402
-from cmimem_jax.memory import MemoryBank, parse  # noqa: E402
-from cmimem_jax.memory.apply import apply_operations  # noqa: E402
-from cmimem_jax.memory.builder import build_bank  # noqa: E402
-from cmimem_jax.memory.types import Action, MemoryType, Operation  # noqa: E402
-from cmimem_jax.task.build_memory import annotation_responder  # noqa: E402
-from reward_study import auc  # noqa: E402
+from cmimem_jax.task.skip_table import table_path, write_entry
 
 CLASSES = ("not_stored", "partial", "unrelated", "paraphrased", "verbatim")
 NEGATIVE = ("not_stored", "partial", "unrelated")
@@ -98,6 +95,23 @@ FIRST_HELD_OUT = 7
 COSINE_GRID = tuple(np.round(np.arange(0.05, 1.0, 0.05), 2).tolist())
 # The previous rule, reported beside: justified below this ρ.
 PREVIOUS_RHO_THRESHOLD = 0.232
+
+# This tool's flags (its own: tools share flag names).
+FLAGS = flags.FlagValues()
+define_command_line_flags(workdir=False, flag_values=FLAGS)
+flags.DEFINE_string("output", None, "Directory for calibration.json/md.",
+                    flag_values=FLAGS)
+flags.DEFINE_string("choose", "0:5", "Conversations the thresholds are "
+                    "chosen on (START:STOP).", flag_values=FLAGS)
+flags.DEFINE_string("check", "5:7", "Conversations they are checked on.",
+                    flag_values=FLAGS)
+flags.DEFINE_string("locomo", "", "The LoCoMo file (default: the config's "
+                    "dataset.path when its dataset is LoCoMo).",
+                    flag_values=FLAGS)
+flags.DEFINE_string("table", "", "The calibration table the encoder's "
+                    "entry is written to (default: the packaged one, "
+                    "cmimem_jax/task/skip_calibration.json).",
+                    flag_values=FLAGS)
 
 
 def user_observations(dialogue: Dialogue, session) -> list[str]:
@@ -364,24 +378,13 @@ def run(config, output: str, choose: str, check: str, locomo: str = "",
 
 def main(argv: list[str]) -> None:
   del argv
-  if not flags.FLAGS.output:
+  if not FLAGS.output:
     raise ValueError("--output=DIR is required")
-  result = run(flags.FLAGS.config, flags.FLAGS.output, flags.FLAGS.choose,
-               flags.FLAGS.check, flags.FLAGS.locomo, flags.FLAGS.table)
+  result = run(FLAGS.config, FLAGS.output, FLAGS.choose,
+               FLAGS.check, FLAGS.locomo, FLAGS.table)
   print(result["markdown"])
   print(json.dumps({"table": result["table"], **result["entry"]}))
 
 
 if __name__ == "__main__":
-  # Defined here, not at import: the tests import this module beside other
-  # tools that define their own --output.
-  flags.DEFINE_string("output", None, "Directory for calibration.json/md.")
-  flags.DEFINE_string("choose", "0:5", "Conversations the thresholds are "
-                      "chosen on (START:STOP).")
-  flags.DEFINE_string("check", "5:7", "Conversations they are checked on.")
-  flags.DEFINE_string("locomo", "", "The LoCoMo file (default: the config's "
-                      "dataset.path when its dataset is LoCoMo).")
-  flags.DEFINE_string("table", "", "The calibration table the encoder's "
-                      "entry is written to (default: the packaged one, "
-                      "cmimem_jax/task/skip_calibration.json).")
-  run_command(main, workdir=False)
+  run_command(main, flag_values=FLAGS)

@@ -1,9 +1,9 @@
 """Semantic SKIPs in training runs' logged rollouts, by kind of session.
 
-  python tools/skip_report.py DIR [DIR ...] [--steps=FIRST:LAST]
+  python -m tools.skip_report DIR [DIR ...] [--steps=FIRST:LAST]
       [--output=FILE.json] [--plot=FILE.png]
 
-Each DIR is a `python -m cmimem_jax.train` (or `tools/reproduce.py` arm)
+Each DIR is a `python -m cmimem_jax.train` (or `tools.reproduce` arm)
 workdir run with `rl.log_rollouts` (`DIR/rollouts.jsonl`). Its sessions
 are read from the run's own `DIR/config.json` (its `dataset` section) and
 split by what the semantic-SKIP judgement weighs (`user_statements`):
@@ -27,27 +27,28 @@ dataset cannot be read. Never modifies a file: a running run can be read.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
+import ml_collections
+from absl import app, flags
+
+from cmimem_jax import storage
+from cmimem_jax.config import CONFIG_FILE, run_command
+from cmimem_jax.data.files import write_figure, write_json
+from cmimem_jax.data.fragments import user_statements
+from cmimem_jax.data.types import Dialogue
+from cmimem_jax.rl import read_rollouts
+from cmimem_jax.rl.metrics import ROLLOUTS_FILE
+from cmimem_jax.task.loop import training_dialogues
+
+# A run's relative dataset path is read from here as well as from the
+# working directory.
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, REPO)
-
-import ml_collections  # noqa: E402
-
-from cmimem_jax import storage  # noqa: E402
-from cmimem_jax.config import CONFIG_FILE  # noqa: E402
-from cmimem_jax.data.files import write_figure, write_json  # noqa: E402
-from cmimem_jax.data.fragments import user_statements  # noqa: E402
-from cmimem_jax.data.types import Dialogue  # noqa: E402
-from cmimem_jax.rl import read_rollouts  # noqa: E402
-from cmimem_jax.rl.metrics import ROLLOUTS_FILE  # noqa: E402
-from cmimem_jax.task.loop import training_dialogues  # noqa: E402
 
 STATES_NOTHING, STATES_SOMETHING = "states nothing", "states something"
 KINDS = (STATES_NOTHING, STATES_SOMETHING)
@@ -165,26 +166,33 @@ def plot(runs: dict[str, list[dict[str, Any]]],
   plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("workdirs", nargs="+", metavar="DIR")
-  parser.add_argument("--steps", default="", metavar="FIRST:LAST",
-                      help="only these training steps (inclusive)")
-  parser.add_argument("--output", default="",
-                      help="also write the counts to this JSON file")
-  parser.add_argument("--plot", default="",
-                      help="also draw the SKIPs per step to this PNG")
-  args = parser.parse_args(argv)
+# This tool's flags (its own: tools share flag names); the workdirs are
+# its positional arguments.
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("steps", "", "FIRST:LAST: only these training steps "
+                    "(inclusive).", flag_values=FLAGS)
+flags.DEFINE_string("output", "", "Also write the counts to this JSON file.",
+                    flag_values=FLAGS)
+flags.DEFINE_string("plot", "", "Also draw the SKIPs per step to this PNG.",
+                    flag_values=FLAGS)
+
+
+def main(argv: list[str]) -> int:
+  """`argv`: the program, then the workdirs (DIR [DIR ...])."""
+  args, workdirs = FLAGS, argv[1:]
+  if not workdirs:
+    raise app.UsageError("give the workdirs: DIR [DIR ...]")
   first, last = 1, float("inf")
   if args.steps:
     bounds = args.steps.split(":")
     if len(bounds) != 2 or not all(b.isdigit() for b in bounds):
-      parser.error(f"--steps={args.steps}: expected FIRST:LAST, e.g. 1:5")
+      raise app.UsageError(f"--steps={args.steps}: expected FIRST:LAST, "
+                           "e.g. 1:5")
     first, last = int(bounds[0]), int(bounds[1])
     if first > last:
-      parser.error(f"--steps={args.steps}: FIRST is after LAST")
+      raise app.UsageError(f"--steps={args.steps}: FIRST is after LAST")
   counts, runs, kinds = {}, {}, {}
-  for workdir in args.workdirs:
+  for workdir in workdirs:
     try:
       found = storage.path(workdir).is_dir()
     except storage.StorageError as e:
@@ -230,8 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       return 1
     runs[workdir] = records
     counts[workdir] = skip_counts(records, kinds[workdir])
-  if len(args.workdirs) > 1:
-    counts["pooled"] = pooled(counts[w] for w in args.workdirs)
+  if len(workdirs) > 1:
+    counts["pooled"] = pooled(counts[w] for w in workdirs)
   print(markdown(counts))
   if args.output:
     write_json(args.output, counts)
@@ -241,4 +249,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  run_command(main, flag_values=FLAGS, compilation_cache=False,
+              positional=True)

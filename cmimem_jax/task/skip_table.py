@@ -27,7 +27,7 @@ from cmimem_jax.encoders import encoder_identity
 
 PACKAGED_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                               "skip_calibration.json")
-CALIBRATE_HINT = ("python tools/skip_calibration.py --config=CONFIG "
+CALIBRATE_HINT = ("python -m tools.skip_calibration --config=CONFIG "
                   "--locomo=LOCOMO.json --table=TABLE")
 
 

@@ -11,8 +11,7 @@ from cmimem_jax.evaluation.judges import (LLMJudge, context_recall,
                                           longmemeval_prompt,
                                           parse_listing11_verdict,
                                           parse_yes_no_verdict)
-
-from fake_openai import FakeOpenAI, embedding_for  # noqa: I100
+from cmimem_jax.testing.fake_openai import FakeOpenAI, embedding_for
 
 
 def client_for(server, **overrides):

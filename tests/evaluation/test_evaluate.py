@@ -14,8 +14,7 @@ from cmimem_jax.config import (CallsFailed, ConfigError, apply_overrides,
                                check_failures)
 from cmimem_jax.data import load_locomo
 from cmimem_jax.evaluation.run import evaluate, failed_endpoints
-
-from fake_openai import FakeOpenAI  # noqa: I100
+from cmimem_jax.testing.fake_openai import FakeOpenAI
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 

@@ -7,9 +7,9 @@ import pytest
 from cmimem_jax.evaluation.run import evaluate
 from cmimem_jax.evaluation.memoryagentbench import (
     GROUPS, recommendation_recall_at_5, table2_scores, table17_column)
+from cmimem_jax.testing.fake_openai import FakeOpenAI, reply_for
 
-from fake_openai import FakeOpenAI, reply_for  # noqa: I100
-from test_evaluate import eval_config, read_jsonl
+from test_evaluate import eval_config, read_jsonl  # noqa: I100
 
 
 def test_each_task_has_its_table_17_column_and_metric():

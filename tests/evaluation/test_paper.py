@@ -1,18 +1,17 @@
 import json
 import pathlib
-import sys
 
 import pytest
 
 from cmimem_jax.evaluation.paper import (OurResult, compare, paper_rows,
                                          paper_table, to_markdown)
 from cmimem_jax.evaluation.run import evaluate
+from cmimem_jax.testing import run_tool
+from tools import compare_paper
 
 from test_evaluate import eval_config  # noqa: I100
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import compare_paper  # noqa: E402
 
 
 def test_paper_tables_hold_the_published_numbers():
@@ -109,8 +108,8 @@ def test_cli_on_a_locomo_rag_run(locomo_path, tmp_path, capsys):
   result = evaluate(eval_config(locomo_path, **{"dataset.dialogues": 1}),
                     str(tmp_path / "rag"))
   out = tmp_path / "compare.json"
-  (item,) = compare_paper.main([f"--results={tmp_path / 'rag'}",
-                                "--format=json", f"--out={out}"])
+  (item,) = run_tool(compare_paper, [f"--results={tmp_path / 'rag'}",
+                                     "--format=json", f"--out={out}"])
   assert json.loads(out.read_text()) == [item]
   assert item["reference"] == "RAG (top-10)"
   assert item["ours"] == {"LoCoMo": pytest.approx(100 * result["overall"])}
@@ -119,7 +118,7 @@ def test_cli_on_a_locomo_rag_run(locomo_path, tmp_path, capsys):
   assert item["settings"]["judge"] == {
       "paper": "Qwen3.7-Max (LLM judge)", "ours": "context_recall",
       "differs": True}
-  compare_paper.main([f"--results={tmp_path / 'rag'}"])
+  run_tool(compare_paper, [f"--results={tmp_path / 'rag'}"])
   assert "| Δ ours − RAG (top-10) |" in capsys.readouterr().out
 
 
@@ -127,7 +126,7 @@ def test_cli_names_a_missing_results_file_in_one_line(tmp_path, capsys):
   (tmp_path / "done" / "results.json").parent.mkdir()
   (tmp_path / "done" / "results.json").write_text("{}")
   with pytest.raises(SystemExit) as exit_:
-    compare_paper.main([f"--results={tmp_path / 'done'},{tmp_path / 'x'}"])
+    run_tool(compare_paper, [f"--results={tmp_path / 'done'},{tmp_path / 'x'}"])
   assert exit_.value.code == 2
   (line,) = capsys.readouterr().err.splitlines()
   assert f"error: no {tmp_path / 'x' / 'results.json'} " in line

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -16,12 +17,11 @@ from cmimem_jax.data import bundled_path, load_dataset
 from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.types import MemoryEntry, MemoryType
 from cmimem_jax.task.snapshots import STATES_FILE, save_snapshots
+from cmimem_jax.testing import run_tool
+from cmimem_jax.testing.fake_openai import FakeOpenAI
+from tools import synthesize_qa
 
-from fake_openai import FakeOpenAI  # noqa: I100
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..",
-                                "tools"))
-import synthesize_qa  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def qa_reply(content: str) -> str:
@@ -56,7 +56,7 @@ def test_synthesizes_session_qa_and_counts_failures(tmp_path, capsys):
     # Session 2 of both dialogues fails: more than the rate accepted by
     # default (0), so nothing is written, the endpoint and count named.
     with pytest.raises(SystemExit) as failed:
-      synthesize_qa.main(flags + [f"--base_url={server.base_url}"])
+      run_tool(synthesize_qa, flags + [f"--base_url={server.base_url}"])
     message = failed.value.code
     assert message.startswith(f"error: 2 of {sessions} sessions failed")
     assert server.base_url in message and "\n" not in message
@@ -65,8 +65,8 @@ def test_synthesizes_session_qa_and_counts_failures(tmp_path, capsys):
     capsys.readouterr()
     # Accepting the rate: the rerun asks only for the failed sessions.
     asked = server.requests
-    stats = synthesize_qa.main(flags + [f"--base_url={server.base_url}",
-                                        "--max_failure_rate=0.5"])
+    stats = run_tool(synthesize_qa, flags + [f"--base_url={server.base_url}",
+                                             "--max_failure_rate=0.5"])
     assert server.requests - asked == 2 and stats["calls"] == 2
   # Without --expert_states: our prompt over the earlier sessions.
   assert all(p.startswith(synthesize_qa.PROMPT.split("\n")[0])
@@ -95,8 +95,8 @@ def test_an_interrupted_run_resumes_with_only_the_remaining_calls(
                                                    "Session 9 ("))
   flags = [f"--input={source}", "--model=fake", "--concurrency=1"]
   with FakeOpenAI(reply=reply) as server:
-    whole = synthesize_qa.main(flags + [f"--base_url={server.base_url}",
-                                        f"--output={tmp_path / 'whole.json'}"])
+    whole = run_tool(synthesize_qa, flags + [
+        f"--base_url={server.base_url}", f"--output={tmp_path / 'whole.json'}"])
   assert whole["sessions"] == sessions
   k = 3
 
@@ -107,8 +107,8 @@ def test_an_interrupted_run_resumes_with_only_the_remaining_calls(
   resumed = tmp_path / "resumed.json"
   with FakeOpenAI(reply=stop_after_k) as server:
     with pytest.raises(SystemExit) as stopped:
-      synthesize_qa.main(flags + [f"--base_url={server.base_url}",
-                                  f"--output={resumed}"])
+      run_tool(synthesize_qa, flags + [f"--base_url={server.base_url}",
+                                       f"--output={resumed}"])
     assert stopped.value.code == 128 + signal.SIGTERM
     assert server.requests == k and not resumed.exists()
     line = capsys.readouterr().err.strip()
@@ -116,8 +116,8 @@ def test_an_interrupted_run_resumes_with_only_the_remaining_calls(
                     f"kept in {resumed}.progress.jsonl; rerun the same "
                     "command to continue")
     server.reply = reply
-    rerun = synthesize_qa.main(flags + [f"--base_url={server.base_url}",
-                                        f"--output={resumed}"])
+    rerun = run_tool(synthesize_qa, flags + [f"--base_url={server.base_url}",
+                                             f"--output={resumed}"])
   assert server.requests == sessions  # k before the stop, the rest now.
   assert rerun["calls"] == sessions - k
   assert rerun["kept_from_earlier_runs"] == k
@@ -140,10 +140,10 @@ def test_ctrl_c_of_the_command_prints_one_line_and_keeps_the_pairs(
     return qa_reply(content)
   with FakeOpenAI(reply=slow) as server:
     process = subprocess.Popen(
-        [sys.executable, synthesize_qa.__file__, f"--input={source}",
+        [sys.executable, "-m", "tools.synthesize_qa", f"--input={source}",
          "--model=fake", "--concurrency=1", f"--base_url={server.base_url}",
          f"--output={output}"], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert started.wait(60)
     time.sleep(0.5)
@@ -172,12 +172,12 @@ def test_max_tokens_fits_a_capped_server_and_nothing_synthesized_fails(
     flags = [f"--input={source}", "--model=fake",
              f"--base_url={server.base_url}"]
     with pytest.raises(SystemExit) as failed:
-      synthesize_qa.main(flags)
+      run_tool(synthesize_qa, flags)
     assert not (tmp_path / "dialogues_qa.json").exists()
     stats = json.loads(capsys.readouterr().out)  # Still counted.
     assert stats["failed_calls"] == {"http_4xx": stats["failed_sessions"]}
-    stats = synthesize_qa.main(flags + ["--max_tokens=512",
-                                        "--max_failure_rate=0.5"])
+    stats = run_tool(synthesize_qa, flags + ["--max_tokens=512",
+                                             "--max_failure_rate=0.5"])
   message = failed.value.code
   assert isinstance(message, str) and "\n" not in message
   assert message.startswith("error: no QA pairs synthesized")
@@ -223,7 +223,7 @@ def test_expert_states_condition_the_prompt_on_the_memory_state(tmp_path):
   source, records = _dialogues(tmp_path)
   _expert_states(tmp_path / "states", records)
   with FakeOpenAI(reply=membuilder_reply) as server:
-    stats = synthesize_qa.main([
+    stats = run_tool(synthesize_qa, [
         f"--input={source}", "--model=fake", f"--base_url={server.base_url}",
         "--per_session=2", f"--expert_states={tmp_path / 'states'}"])
   prompts = list(server.attempts)
@@ -250,8 +250,8 @@ def test_missing_expert_states_fail_in_one_line(tmp_path):
   source, records = _dialogues(tmp_path)
   _expert_states(tmp_path / "states", records[:1])  # Second record lacks.
   with pytest.raises(SystemExit) as failed:
-    synthesize_qa.main([f"--input={source}", "--model=fake",
-                        f"--expert_states={tmp_path / 'states'}"])
+    run_tool(synthesize_qa, [f"--input={source}", "--model=fake",
+                             f"--expert_states={tmp_path / 'states'}"])
   message = failed.value.code
   assert "session states missing" in message and "\n" not in message
   assert records[1]["question_id"] in message

@@ -2,8 +2,6 @@
 
 import collections
 import json
-import pathlib
-import sys
 
 import ml_collections
 import numpy as np
@@ -22,10 +20,7 @@ from cmimem_jax.memory.types import Action, MemoryType, Operation
 from cmimem_jax.sampling import ChatPolicy, load_tokenizer
 from cmimem_jax.sampling.sampler import SampleOutput, left_pad
 from cmimem_jax.task.episode import apply_to_copy
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]
-                       / "evaluation"))
-from fake_openai import FakeOpenAI  # noqa: E402
+from cmimem_jax.testing.fake_openai import FakeOpenAI
 
 ENCODER = HashingEncoder(64)
 CONFIG = CoreConfig(cap_chars=200, compress_trigger=0.9,

@@ -2,9 +2,6 @@
 gradients, with GQA, left padding and packed rows (splash in Pallas
 interpret mode on this CPU)."""
 
-import os
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +12,7 @@ from jax.sharding import Mesh
 
 from cmimem_jax.models import attention
 from cmimem_jax.models.qwen3 import Qwen3, positions_from_mask, preset
+from cmimem_jax.testing import run_tool
 
 from conftest import left_padded_batch  # noqa: I100
 
@@ -134,14 +132,6 @@ def test_whole_model_with_splash_equals_the_xla_path():
                              atol=1e-5)
 
 
-def test_bench_offers_every_backend():
-  """tools/bench.py spells the backends out (it parses flags before jax is
-  imported); they must stay the model's."""
-  source = (pathlib.Path(__file__).parents[2] / "tools" / "bench.py").read_text()
-  spelled = "(" + ", ".join(f'"{impl}"' for impl in attention.ATTENTION_IMPLS)
-  assert f"ATTENTION_CHOICES = {spelled})" in source
-
-
 def test_shared_prefix_mask_tiles_equal_the_dense_mask():
   """Prompt causal; a row over the whole prompt and causally over itself,
   never another row; every tile (fast-pathed or not) equal to the dense
@@ -168,10 +158,8 @@ def test_shared_prompt_train_step_compiles_for_a_v5p_8():
   (Mosaic, not interpret mode): `tools/compile_shared_prompt.py` on a
   tiny model."""
   pytest.importorskip("libtpu", reason="the TPU extra is not installed")
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..",
-                                  "tools"))
-  import compile_shared_prompt
-  row = compile_shared_prompt.main([
+  from tools import compile_shared_prompt
+  row = run_tool(compile_shared_prompt, [
       "--preset=tiny", "--rows=8", "--prompt=200", "--completion=100",
       "--group=2"])
   assert row["tpu_kernels"] > 0 and 0 < row["total_gib"] < 1

@@ -6,6 +6,7 @@ import pytest
 
 from cmimem_jax.models.qwen3.params import (permute_qk, smollm2_gguf_path,
                                             unpermute_qk)
+from cmimem_jax.testing import run_tool
 
 
 def _smollm2_gguf() -> str:
@@ -23,11 +24,8 @@ def test_qk_permutation_round_trip():
 
 @pytest.mark.slow
 def test_smollm2_gguf_matches_transformers_gguf_loader():
-  import sys
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..",
-                                  "tools"))
-  import compare_reference
-  result = compare_reference.main(["--gguf", _smollm2_gguf()])
+  from tools import compare_reference
+  result = run_tool(compare_reference, ["--gguf", _smollm2_gguf()])
   assert result["kind"] == "causal_lm" and result["n_tokens"] > 50
   assert result["max_abs_diff"] < 1e-3
   assert result["argmax_agreement"] == 1.0

@@ -13,9 +13,7 @@ from cmimem_jax.models.hf_tokenizer import load_hf_tokenizer
 from cmimem_jax.models.qwen3.params import (gguf_tokenizer_cache,
                                             load_gguf_tokenizer,
                                             smollm2_gguf_path)
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-import standins  # noqa: E402
+from cmimem_jax.testing import standins
 
 MESSAGES = [{"role": "system", "content": "Keep the user's facts."},
             {"role": "user", "content": "I moved to Paris in 2021 🙂"},

@@ -1,7 +1,5 @@
 """Sharded loading, remat, dtype policy and the reference-comparison tool."""
 
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +10,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cmimem_jax.models.qwen3 import (KVCache, Qwen3, load_hf,
                                      positions_from_mask, preset)
+from cmimem_jax.testing import run_tool
+from tools import compare_reference
 
 from conftest import hf_causal_lm, left_padded_batch  # noqa: I100
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-import compare_reference  # noqa: E402
 
 
 def test_load_onto_a_mesh_with_per_parameter_shardings(tmp_path):
@@ -125,12 +122,12 @@ def test_bfloat16_compute_keeps_float32_logits():
 
 def test_compare_reference_tool(tmp_path, capsys):
   _, directory = hf_causal_lm(tmp_path, "llama", tie_word_embeddings=True)
-  result = compare_reference.main(["--hf_checkpoint", directory])
+  result = run_tool(compare_reference, ["--hf_checkpoint", directory])
   assert result["kind"] == "causal_lm" and result["max_abs_diff"] < 1e-4
   assert '"max_abs_diff"' in capsys.readouterr().out
   # The splash kernel (interpret mode here) against transformers.
-  result = compare_reference.main(["--hf_checkpoint", directory,
-                                   "--attention_impl=splash"])
+  result = run_tool(compare_reference, ["--hf_checkpoint", directory,
+                                        "--attention_impl=splash"])
   assert result["attention_impl"] == "splash"
   assert result["max_abs_diff"] < 1e-4 and result["argmax_agreement"] == 1.0
 

@@ -12,47 +12,19 @@ import logging
 import jax
 import numpy as np
 import pytest
-from orbax.checkpoint._src.serialization import serialization
 
 from cmimem_jax.rl import Checkpointer, MetricsWriter, read_metrics
 from cmimem_jax.rl.checkpoint import (CheckpointNotSaved,
                                       metrics_follow_checkpoints, out_of_space)
 
-# What tensorstore raises through orbax on a full disk (copied from a real
-# failure on a 20 MB tmpfs).
-TENSORSTORE_ENOSPC = (
-    'RESOURCE_EXHAUSTED: Error writing "params.w/0.0" in OCDBT database at '
-    'local file "{path}": Failed to write 10010624 bytes to file 18: No '
-    "space left on device [os_error_code='28']")
-
+from full_disk import (TENSORSTORE_ENOSPC,  # noqa: I100
+                       assert_full_disk_line, fail_writes_of)
 
 def _state(seed: int) -> tuple[dict, dict]:
   rng = np.random.default_rng(seed)
   params = {"w": jax.numpy.asarray(rng.standard_normal((64, 32)),
                                    jax.numpy.float32)}
   return params, {"m": jax.tree.map(lambda x: x * 0.5, params)}
-
-
-def assert_full_disk_line(message: str, checkpoint, metrics, last: int
-                          ) -> None:
-  """`message` is the one line of a save that found the disk full."""
-  assert "\n" not in message
-  assert message.startswith(f"checkpoint {checkpoint} not saved: no space "
-                            "left on the device (a checkpoint holds ")
-  assert message.endswith(f"{metrics} ends at step {last}, the last saved "
-                          "checkpoint: free space, then rerun to resume from "
-                          f"step {last}")
-
-
-def _fail_writes_of(step: int, monkeypatch) -> None:
-  """Every array write of checkpoint `step` raises tensorstore's ENOSPC."""
-  write = serialization.async_serialize_from_host
-
-  async def full_disk(values, spec, **kwargs):
-    if f"/{step}.orbax-checkpoint-tmp" in json.dumps(spec, default=str):
-      raise ValueError(TENSORSTORE_ENOSPC.format(path=spec))
-    return await write(values, spec, **kwargs)
-  monkeypatch.setattr(serialization, "async_serialize_from_host", full_disk)
 
 
 @pytest.mark.parametrize("async_save", [True, False])
@@ -63,7 +35,7 @@ def test_a_failed_save_is_one_error_and_metrics_end_at_the_last_saved(
   writer = MetricsWriter(str(tmp_path), tensorboard=False, progress=False,
                          rollouts=True)
   key = jax.random.key(0)
-  _fail_writes_of(2, monkeypatch)
+  fail_writes_of(2, monkeypatch)
   saved = _state(1)
   with pytest.raises(CheckpointNotSaved) as failed, caplog.at_level(
       logging.INFO):

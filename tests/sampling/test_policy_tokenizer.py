@@ -15,11 +15,8 @@ from cmimem_jax.evaluation.run import make_chat_model
 from cmimem_jax.models.qwen3.params import smollm2_gguf_path
 from cmimem_jax.sampling import (load_policy_and_tokenizer,
                                  policy_tokenizer_path)
+from cmimem_jax.testing import standins
 from configs import eval_cpu
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..",
-                                "tools"))
-import standins  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(__file__), "..", "..")
 VOCAB = 320  # The stand-in's own vocabulary: not SmolLM2's 49,152.

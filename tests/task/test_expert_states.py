@@ -23,15 +23,12 @@ from cmimem_jax.task.loop import Trainer
 from cmimem_jax.task.reward import NO_EXPERT_RESPONSE
 from cmimem_jax.task.snapshots import (TEACHER_LOG, expert_responses,
                                        teacher_records)
+from cmimem_jax.testing.scripted_llm import ScriptedLLM
+from tools import build_expert_states
+
+from test_train import TINY_BUCKETS, tiny_config  # noqa: I100
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TOOLS = ROOT / "tools"
-sys.path.insert(0, str(TOOLS))
-import build_expert_states  # noqa: E402
-from scripted_llm import ScriptedLLM  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from test_train import TINY_BUCKETS, tiny_config  # noqa: E402
 
 MARKER = "Expert marker: the user drinks green tea"
 
@@ -181,13 +178,13 @@ def test_states_built_past_a_failed_call_by_an_older_version_are_rebuilt(
 
 @pytest.mark.slow
 def test_the_command_exits_non_zero_on_a_dead_teacher_and_resumes(tmp_path):
-  """`tools/build_expert_states.py` itself: nothing listening at the
+  """`python -m tools.build_expert_states` itself: nothing listening at the
   teacher's URL -> one error line naming it, exit 1, no state; the same
   command against the scripted stand-in builds every state."""
   with socket.socket() as probe:  # A port where nothing listens.
     probe.bind(("127.0.0.1", 0))
     dead = f"http://127.0.0.1:{probe.getsockname()[1]}/v1"
-  command = [sys.executable, str(TOOLS / "build_expert_states.py"),
+  command = [sys.executable, "-m", "tools.build_expert_states",
              f"--config={ROOT / 'configs' / 'tiny.py'}",
              "--config.dataset.dialogues=2", f"--output={tmp_path / 's'}",
              "--model=scripted", "--format=dsl", "--max_retries=0"]

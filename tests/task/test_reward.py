@@ -473,7 +473,7 @@ def test_skip_thresholds_are_the_encoders_own_calibration(tmp_path):
     assert reward.skip_calibrated, module.__name__
   paper = qwen3_4b.get_config()
   with pytest.raises(ConfigError, match="no Semantic SKIP calibration for "
-                     "encoder .*qwen3_embedding.*tools/skip_calibration.py"):
+                     "encoder .*qwen3_embedding.*tools.skip_calibration"):
     calibrated(RewardConfig.from_config(paper.reward), paper.encoder)
   table = str(tmp_path / "table.json")
   identity = encoder_identity(paper.encoder)

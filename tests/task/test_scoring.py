@@ -1,15 +1,13 @@
 """A step's scoring with every endpoint call in flight (`RolloutScorer`):
 against today's one-rollout-at-a-time scoring (kept here as the oracle),
 the same rewards, byte for byte, and the same failure counts; on the
-latency stand-in (`tools/scripted_llm.py`), each endpoint's concurrency
-reached and the stage within 1.3 x (ceil(2RQ / C) L + 2L)."""
+latency stand-in (`cmimem_jax.testing.scripted_llm`), each endpoint's
+concurrency reached and the stage within 1.3 x (ceil(2RQ / C) L + 2L)."""
 
 import collections
 import dataclasses
 import json
 import math
-import os
-import sys
 import time
 
 import numpy as np
@@ -27,13 +25,9 @@ from cmimem_jax.task.episode import (Episode, RolloutScorer, apply_to_copy,
                                      score_rollouts, session_questions)
 from cmimem_jax.task.qa_reward import QAReward
 from cmimem_jax.task.reward import RewardComputer, RolloutInput
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..",
-                                "tools"))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..",
-                                "evaluation"))
-from fake_openai import FakeOpenAI  # noqa: E402
-from scripted_llm import ScriptedLLM  # noqa: E402
+from cmimem_jax.testing import run_tool
+from cmimem_jax.testing.fake_openai import FakeOpenAI
+from cmimem_jax.testing.scripted_llm import ScriptedLLM
 
 ENCODER = HashingEncoder(64)
 MEMORY = memory_defaults()
@@ -242,9 +236,9 @@ def test_the_plans_scoring_model_against_measured_training_steps():
   scoring take less than its decoding plus the serial scoring, and at
   most 1.6 x the plan's model of the overlap. (A wave's 12 calls take 3
   rounds of 0.2 s, about what a wave of 64 tokens takes to decode here.)"""
-  import scoring_check
-  rows = scoring_check.main(["--latency_s=0.2", "--concurrency=4",
-                             "--steps=2", "--max_rows_per_wave=4"])
+  from tools import scoring_check
+  rows = run_tool(scoring_check, ["--latency_s=0.2", "--concurrency=4",
+                                  "--steps=2", "--max_rows_per_wave=4"])
   assert [r["step"] for r in rows] == [1, 2]
   second = rows[1]
   serial, beside, model = second["serial"], second["beside"], second["model"]

@@ -21,6 +21,9 @@ from cmimem_jax.sampling import sampler as sampler_module
 from cmimem_jax.task.loop import Trainer
 from cmimem_jax.task import warm_start
 from cmimem_jax.task.warm_start import run_sft, summary_line, write_jsonl
+from cmimem_jax.testing import run_tool
+from cmimem_jax.testing.fake_openai import FakeOpenAI
+from tools import make_sft_data
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
@@ -33,11 +36,10 @@ def load_module(name, path):
 
 
 def test_annotation_trajectories_are_valid_and_apply(tmp_path, locomo_path):
-  tool = load_module("make_sft_data",
-                     os.path.join(ROOT, "tools", "make_sft_data.py"))
   output = tmp_path / "sft.jsonl"
-  summary = tool.main([f"--input={locomo_path}", "--dialogues=0:1",
-                       f"--output={output}", "--encoder=hashing", "--dim=32"])
+  summary = run_tool(make_sft_data, [
+      f"--input={locomo_path}", "--dialogues=0:1", f"--output={output}",
+      "--encoder=hashing", "--dim=32"])
   records = [json.loads(line) for line in output.read_text().splitlines()]
   assert summary["records"] == len(records) == 19  # conv-26's sessions.
   assert summary["rejected"] == 0 and summary["dialogue_ids"] == ["conv-26"]
@@ -53,9 +55,9 @@ def test_annotation_trajectories_are_valid_and_apply(tmp_path, locomo_path):
   assert len(bank) > 50  # Every session's events and observations landed.
   # Under a token budget, late sessions show fewer retrieved entries.
   budget = 1200
-  summary = tool.main([f"--input={locomo_path}", "--dialogues=0:1",
-                       f"--output={output}", "--encoder=hashing", "--dim=32",
-                       f"--max_prompt_tokens={budget}"])
+  summary = run_tool(make_sft_data, [
+      f"--input={locomo_path}", "--dialogues=0:1", f"--output={output}",
+      "--encoder=hashing", "--dim=32", f"--max_prompt_tokens={budget}"])
   fitted = [json.loads(line) for line in output.read_text().splitlines()]
   assert [r["response"] for r in fitted] == [r["response"] for r in records]
   tokenizer = load_tokenizer("")
@@ -68,13 +70,11 @@ def test_annotation_trajectories_are_valid_and_apply(tmp_path, locomo_path):
 def test_extractive_trajectories_fit_the_rollout_budget(tmp_path):
   """`make demo`'s teacher: every bundled session, each response within
   the 80-token rollout (EOS included) and in the grammar's form."""
-  tool = load_module("make_sft_data",
-                     os.path.join(ROOT, "tools", "make_sft_data.py"))
   output = tmp_path / "sft.jsonl"
   common = ["--dataset=longmemeval", f"--input={bundled_path()}",
             f"--output={output}", "--encoder=hashing", "--dim=32"]
-  summary = tool.main(["--teacher=extractive", "--max_response_tokens=80",
-                       *common])
+  summary = run_tool(make_sft_data, ["--teacher=extractive",
+                                     "--max_response_tokens=80", *common])
   records = [json.loads(line) for line in output.read_text().splitlines()]
   assert summary["records"] == len(records) == 15  # The sample's sessions.
   assert summary["rejected"] == 0 and {r["source"] for r in records} == {
@@ -93,7 +93,7 @@ def test_extractive_trajectories_fit_the_rollout_budget(tmp_path):
       str(output), tokenizer, demo.sft.max_prompt_tokens,
       demo.sft.max_response_tokens)
   assert too_long == 0 and len(examples) == 15
-  unbounded = tool.main(["--teacher=extractive", *common])
+  unbounded = run_tool(make_sft_data, ["--teacher=extractive", *common])
   longer = [json.loads(line) for line in output.read_text().splitlines()]
   assert unbounded["records"] == 15 and sum(
       len(b["response"]) > len(a["response"])
@@ -101,7 +101,7 @@ def test_extractive_trajectories_fit_the_rollout_budget(tmp_path):
   for wrong in (["--teacher=extractive", "--base_url=http://x/v1"],
                 ["--max_response_tokens=80"]):
     with pytest.raises(SystemExit):
-      tool.main([*wrong, *common])
+      run_tool(make_sft_data, [*wrong, *common])
 
 
 def tiny_config(tmp_path, **overrides):
@@ -181,10 +181,6 @@ def test_sft_then_constrained_grpo_from_its_checkpoint(tmp_path):
 
 def test_teacher_endpoint_keeps_valid_answers_and_counts_the_rest(
     tmp_path, locomo_path):
-  fake_openai = load_module("fake_openai", os.path.join(
-      ROOT, "tests", "evaluation", "fake_openai.py"))
-  tool = load_module("make_sft_data",
-                     os.path.join(ROOT, "tools", "make_sft_data.py"))
   calls = []
 
   def teacher(content):
@@ -196,11 +192,11 @@ def test_teacher_endpoint_keeps_valid_answers_and_counts_the_rest(
             "PROCEDURAL:SKIP\nEPISODIC:SKIP")
 
   output = tmp_path / "teacher.jsonl"
-  with fake_openai.FakeOpenAI(reply=teacher) as server:
-    summary = tool.main([f"--input={locomo_path}", "--dialogues=0:1",
-                         f"--output={output}", "--encoder=hashing",
-                         "--dim=32", f"--base_url={server.base_url}",
-                         "--model=teacher-x"])
+  with FakeOpenAI(reply=teacher) as server:
+    summary = run_tool(make_sft_data, [
+        f"--input={locomo_path}", "--dialogues=0:1", f"--output={output}",
+        "--encoder=hashing", "--dim=32", f"--base_url={server.base_url}",
+        "--model=teacher-x"])
   records = [json.loads(line) for line in output.read_text().splitlines()]
   assert len(calls) == 19
   assert summary["rejected"] == 6 and len(records) == 13

@@ -8,23 +8,21 @@ differs from the embedded SmolLM2 tokenizer's (49,152 tokens): a run that
 read the wrong tokenizer feeds ids the checkpoint does not have, or ids of
 other text, and is caught.
 
-  python tools/standins.py --output=DIR [--vocab_size=640]
+  python -m cmimem_jax.testing.standins --output=DIR [--vocab_size=640]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 from collections.abc import Iterable
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from absl import flags
+from flax import nnx
 
-from flax import nnx  # noqa: E402
-
-from cmimem_jax.data import bundled_path  # noqa: E402
-from cmimem_jax.models.qwen3 import Qwen3, preset, save_hf  # noqa: E402
+from cmimem_jax.config import run_command
+from cmimem_jax.data import bundled_path
+from cmimem_jax.models.qwen3 import Qwen3, preset, save_hf
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Qwen's chat template, less tools and thinking.
@@ -114,13 +112,17 @@ def make_all(output: str, vocab_size: int = 640) -> dict[str, str]:
               os.path.join(output, "encoder"), tokenizer)}
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--output", required=True)
-  parser.add_argument("--vocab_size", type=int, default=640)
-  args = parser.parse_args()
-  print(json.dumps(make_all(args.output, args.vocab_size)))
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("output", None, "Directory of the stand-ins.",
+                    flag_values=FLAGS, required=True)
+flags.DEFINE_integer("vocab_size", 640, "The tokenizer's vocabulary.",
+                     flag_values=FLAGS)
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  print(json.dumps(make_all(FLAGS.output, FLAGS.vocab_size)))
 
 
 if __name__ == "__main__":
-  main()
+  run_command(main, flag_values=FLAGS)

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import re
-import sys
 import threading
 import time
 import zlib
@@ -24,10 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from cmimem_jax.evaluation.metrics import normalize_answer
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..",
-                                "tools"))
-from scripted_llm import JSONHandler, LoopbackServer  # noqa: E402
+from cmimem_jax.testing.scripted_llm import JSONHandler, LoopbackServer
 
 
 def reply_for(content: str) -> str:

@@ -9,22 +9,23 @@ Started here rather than with the wrapper's `FakeGCSServer`, which sends
 the server's log into a pipe nobody reads: the server blocks once 64 KiB
 of log have piled up (a tiny training run's requests do).
 
-  python tools/gcs_emulator.py --root=DIR --bucket=NAME   # until Ctrl-C
+  python -m cmimem_jax.testing.gcs_emulator --root=DIR --bucket=NAME
+  # (serves until Ctrl-C)
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from absl import flags
+
+from cmimem_jax.config import run_command
 
 # What `use` sets (directly or through `storage.configure_clients`).
 VARIABLES = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
@@ -110,12 +111,16 @@ class GcsEmulator:
     self.stop()
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--root", required=True, help="where objects are kept")
-  parser.add_argument("--bucket", action="append", default=[],
-                      help="a bucket to create (repeatable)")
-  args = parser.parse_args()
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("root", None, "Where objects are kept.",
+                    flag_values=FLAGS, required=True)
+flags.DEFINE_multi_string("bucket", [], "A bucket to create (repeatable).",
+                          flag_values=FLAGS)
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  args = FLAGS
   # SIGTERM stops it as Ctrl-C does.
   signal.signal(signal.SIGTERM, signal.default_int_handler)
   with GcsEmulator(args.root) as emulator:
@@ -131,4 +136,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  run_command(main, flag_values=FLAGS, compilation_cache=False)

@@ -14,29 +14,27 @@ caps the requests it works on at once (later ones wait for a slot, as a
 real server's batch does), so a client's concurrency is measured, not
 assumed: `GET /stats` reports the requests, those in flight and the peak.
 
-  python tools/scripted_llm.py --port=8001   # serves until Ctrl-C
-  python tools/scripted_llm.py --port=8001 --latency_s=3 --max_in_flight=64
+  python -m cmimem_jax.testing.scripted_llm --port=8001  # until Ctrl-C
+  python -m cmimem_jax.testing.scripted_llm --port=8001 --latency_s=3 \
+      --max_in_flight=64
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
-import os
 import re
-import sys
 import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from absl import app, flags
 
-from cmimem_jax.evaluation.metrics import normalize_answer  # noqa: E402
-from cmimem_jax.memory.prompts import TEMPLATES  # noqa: E402
-
-import synthesize_qa  # noqa: E402  (tools/, beside this file)
+from cmimem_jax.config import run_command
+from cmimem_jax.evaluation.metrics import normalize_answer
+from cmimem_jax.memory.prompts import TEMPLATES
+from cmimem_jax.task import qa_synthesis
 
 
 def _opening(template: str) -> str:
@@ -85,7 +83,7 @@ def _qa_pairs(prompt: str) -> str:
 
 
 def _memory_qa_pairs(prompt: str) -> str:
-  """MemBuilder's format (`synthesize_qa.MEMORY_PROMPT`)."""
+  """MemBuilder's format (`qa_synthesis.MEMORY_PROMPT`)."""
   n = int(_field(prompt, r"Generate exactly (\d+)", "1"))
   session = prompt.split("(Newly Added):**", 1)[-1].split("\n---", 1)[0]
   pairs = [dict(p, type="temporal-reasoning") if p["type"] == "temporal"
@@ -131,8 +129,8 @@ def _messages_block(prompt: str) -> str:
 
 # Opening line of each documented prompt -> its answer in its format.
 REPLIES: dict[str, Callable[[str], str]] = {
-    _opening(synthesize_qa.PROMPT): _qa_pairs,
-    _opening(synthesize_qa.MEMORY_PROMPT): _memory_qa_pairs,
+    _opening(qa_synthesis.PROMPT): _qa_pairs,
+    _opening(qa_synthesis.MEMORY_PROMPT): _memory_qa_pairs,
     _opening(TEMPLATES["judge"]): _verdict,
     _opening(TEMPLATES["policy_system"]): _dsl,
     _opening(TEMPLATES["core_agent"]): lambda p: json.dumps({
@@ -292,17 +290,19 @@ class ScriptedLLM(LoopbackServer):
               "max_in_flight": self.max_in_flight}
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--port", type=int, default=8001)
-  parser.add_argument("--latency_s", type=float, default=0.0,
-                      help="seconds each chat answer takes")
-  parser.add_argument("--max_in_flight", type=int, default=0,
-                      help="chat requests worked on at once (0: no cap); "
-                      "later ones wait")
-  args = parser.parse_args()
+FLAGS = flags.FlagValues()
+flags.DEFINE_integer("port", 8001, "Port on 127.0.0.1.", flag_values=FLAGS)
+flags.DEFINE_float("latency_s", 0.0, "Seconds each chat answer takes.",
+                   flag_values=FLAGS)
+flags.DEFINE_integer("max_in_flight", 0, "Chat requests worked on at once "
+                     "(0: no cap); later ones wait.", flag_values=FLAGS)
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  args = FLAGS
   if args.latency_s < 0 or args.max_in_flight < 0:
-    parser.error("--latency_s and --max_in_flight must be >= 0")
+    raise app.UsageError("--latency_s and --max_in_flight must be >= 0")
   with ScriptedLLM(port=args.port, latency_s=args.latency_s,
                    max_in_flight=args.max_in_flight) as server:
     print(f"ready at {server.base_url}", flush=True)
@@ -313,4 +313,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  run_command(main, flag_values=FLAGS, compilation_cache=False)
