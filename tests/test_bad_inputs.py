@@ -74,16 +74,18 @@ def test_compare_paper_names_a_garbage_results_file(tmp_path, capsys):
   with pytest.raises(SystemExit) as failed:
     run_tool(compare_paper, [f"--results={tmp_path}"])
   assert failed.value.code == 1
-  # (argparse's program name, then the message.)
-  assert capsys.readouterr().err.split(": error: ", 1)[1] == (
-      f"{tmp_path / 'results.json'}:3:2: not JSON: Expecting property name "
-      "enclosed in double quotes\n")
+  # (The error's kind, the message, then the hint.)
+  assert capsys.readouterr().err == (
+      f"error: ValueError: {tmp_path / 'results.json'}:3:2: not JSON: "
+      "Expecting property name enclosed in double quotes (--verbosity=1 "
+      "shows the traceback)\n")
   (tmp_path / "results.json").write_text("[1, 2]")
   with pytest.raises(SystemExit):
     run_tool(compare_paper, [f"--results={tmp_path}"])
-  assert capsys.readouterr().err.split(": error: ", 1)[1] == (
-      f"{tmp_path / 'results.json'}: not the results.json of `python -m "
-      "cmimem_jax.evaluate` (needs 'dataset' and 'overall')\n")
+  assert capsys.readouterr().err == (
+      f"error: ValueError: {tmp_path / 'results.json'}: not the results.json "
+      "of `python -m cmimem_jax.evaluate` (needs 'dataset' and 'overall') "
+      "(--verbosity=1 shows the traceback)\n")
 
 
 def _run_dir(directory: pathlib.Path, rollouts: str) -> pathlib.Path:

@@ -94,6 +94,15 @@ COMMANDS: dict[str, str | NotRun] = {
     "python -m tools.skip_calibration --config=configs/qwen3_4b.py "
     "--config.encoder.path=* --locomo=* --output=* --table=*":
         "rehearsal:skip_calibration",
+    "python -m tools.skip_calibration "
+    "--config=configs/qwen3_4b_h20_vllm.py ...":
+        NotRun("needs the served encoder (an /v1/embeddings endpoint); the "
+               "rehearsal calibrates the TPU config's encoder with the same "
+               "tool, the test runs its `run()` on LoCoMo",
+               (f"tests/test_documented_commands.py::{_COVERED_BY_PARSING}",
+                "rehearsal:skip_calibration",
+                "tests/test_reward_study.py::"
+                "test_the_calibration_refuses_held_out_conversations")),
     "python -m cmimem_jax.train --config=configs/qwen3_4b_tpu.py "
     "--config.rl.snapshots=* --config.dataset.path=* "
     "--config.reward.skip_calibration=* ...": "rehearsal:train",
@@ -336,6 +345,11 @@ def test_every_documented_command_has_an_entry():
   assert not missing, "documented commands no test runs:\n" + "\n".join(
       missing)
   assert not set(COMMANDS) - keys, f"stale entries: {set(COMMANDS) - keys}"
+  # A Python command runs a module: an entry point or a tool of the
+  # `tools` package (`python -m tools.NAME`), never a script's path.
+  scripts = sorted({key(w) for _, w in found
+                    if w[0] == "python" and w[1] != "-m"})
+  assert not scripts, f"run as `python -m`: {scripts}"
   # Both places the README and the configs write commands are read.
   assert {where for where, _ in found} >= {
       "README.md", "configs/eval_cpu.py", "configs/qwen3_4b_tpu.py",

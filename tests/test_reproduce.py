@@ -162,68 +162,6 @@ def test_the_equal_budget_stage_evaluates_the_same_banks_capped(
   assert "| rl | conv-8 | 2 | 1 | 100% | 8,000 | **yes** |" in text
 
 
-def test_paired_differences_pair_questions_and_leave_adversarial_out():
-  base = _records({"a": ("single-hop", 0.0), "b": ("temporal", 0.5),
-                   "c": ("adversarial", 0.0), "d": ("single-hop", 1.0),
-                   "e": ("temporal", None)})
-  better = _records({"a": ("single-hop", 1.0), "b": ("temporal", 1.0),
-                     "c": ("adversarial", 1.0), "d": ("single-hop", 1.0),
-                     "e": ("temporal", 1.0)})
-  rows = reproduce.paired_differences({"warm_start": base, "rl": better,
-                                       "initial": base})
-  # rl vs warm_start, warm_start vs initial; no QA-only arm evaluated;
-  # evidence recall is None everywhere: no row.
-  assert [(r["policy"], r["baseline"]) for r in rows] == [
-      ("warm_start", "initial"), ("rl", "warm_start")]
-  same, gain = rows
-  assert same["difference"] == 0.0 and same["ci95"] == [0.0, 0.0]
-  # a, b, d: adversarial c and unscored e are out.
-  assert gain["n"] == 3
-  assert gain["difference"] == pytest.approx((1.0 + 0.5 + 0.0) / 3)
-  # Table 3's CMI-only arm, once evaluated: against the warm start, and
-  # CMI+QA against it.
-  with_cmi_only = reproduce.paired_differences(
-      {"warm_start": base, "rl": better, "rl_cmi_only": base})
-  assert [(r["policy"], r["baseline"], r["difference"])
-          for r in with_cmi_only] == [
-      ("rl", "warm_start", gain["difference"]),
-      ("rl_cmi_only", "warm_start", 0.0),
-      ("rl", "rl_cmi_only", gain["difference"])]
-  assert gain["policy_mean"] == 1.0 and gain["baseline_mean"] == 0.5
-  low, high = gain["ci95"]
-  assert 0.0 <= low < gain["difference"] < high <= 1.0
-  table = reproduce.differences_table(rows).splitlines()
-  assert table[3] == ("| rl − warm_start | context_recall | 3 | 1.000 | "
-                      f"0.500 | +0.500 [{low:+.3f}, {high:+.3f}] |")
-
-
-def test_seeds_are_pooled_per_question_on_the_questions_every_run_scored():
-  base = _records({"a": ("single-hop", 0.0), "b": ("temporal", 0.0),
-                   "c": ("temporal", 0.0)})
-  seed0 = {"warm_start": base, "rl": _records(
-      {"a": ("single-hop", 1.0), "b": ("temporal", 0.0),
-       "c": ("temporal", 1.0)})}
-  # The second seed did not score c: it leaves the pooled comparison.
-  seed1 = {"warm_start": base, "rl": _records(
-      {"a": ("single-hop", 1.0), "b": ("temporal", 1.0),
-       "c": ("temporal", None)})}
-  (row,) = reproduce.seed_pooled_differences([seed0, seed1])
-  assert (row["policy"], row["baseline"], row["n"]) == ("rl", "warm_start", 2)
-  # Per seed on a, b: (1 + 0) / 2 and (1 + 1) / 2; averaged per question.
-  assert row["per_run"] == [0.5, 1.0]
-  assert row["difference"] == pytest.approx(0.75)
-  assert row["policy_mean"] == pytest.approx(0.75)
-  low, high = row["ci95"]
-  assert 0.5 <= low <= row["difference"] <= high <= 1.0
-  assert reproduce.pooled_table([row]).splitlines()[2] == (
-      f"| rl − warm_start | context_recall | 2 | +0.500, +1.000 | +0.750 "
-      f"[{low:+.3f}, {high:+.3f}] |")
-  # One run is `paired_differences`, without a per-run column.
-  assert reproduce.seed_pooled_differences([seed0]) == (
-      reproduce.paired_differences(seed0))
-  assert "per_run" not in reproduce.paired_differences(seed0)[0]
-
-
 def test_grpo_reads_memories_alone_and_the_evaluation_keeps_lookupchunk():
   """r_QA in training without source chunks (it must tell rollouts apart);
   the held-out evaluation keeps the paper's LookupChunk protocol."""

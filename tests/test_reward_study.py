@@ -77,14 +77,6 @@ def test_a_fact_that_answers_a_question_is_used(locomo_dialogues):
                    ENCODER.encode([unrelated])[0]) == (0.0, 0.0)
 
 
-def test_rank_statistics():
-  assert reward_study.auc(np.array([0.9, 0.8, 0.1, 0.2]),
-                          np.array([1, 1, 0, 0])) == 1.0
-  assert reward_study.auc(np.array([0.5, 0.5]), np.array([1, 0])) == 0.5
-  assert reward_study.spearman(np.arange(5), np.arange(5) ** 3) == pytest.approx(1.0)
-  assert np.isnan(reward_study.spearman(np.ones(4), np.arange(4)))
-
-
 @pytest.mark.slow
 def test_a_run_writes_intervals_auc_and_spearman(locomo_path, tmp_path):
   from configs import reward_study as study_config

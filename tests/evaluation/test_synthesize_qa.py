@@ -16,6 +16,7 @@ import pytest
 from cmimem_jax.data import bundled_path, load_dataset
 from cmimem_jax.memory.bank import MemoryBank
 from cmimem_jax.memory.types import MemoryEntry, MemoryType
+from cmimem_jax.task import qa_synthesis
 from cmimem_jax.task.snapshots import STATES_FILE, save_snapshots
 from cmimem_jax.testing import run_tool
 from cmimem_jax.testing.fake_openai import FakeOpenAI
@@ -69,7 +70,7 @@ def test_synthesizes_session_qa_and_counts_failures(tmp_path, capsys):
                                              "--max_failure_rate=0.5"])
     assert server.requests - asked == 2 and stats["calls"] == 2
   # Without --expert_states: our prompt over the earlier sessions.
-  assert all(p.startswith(synthesize_qa.PROMPT.split("\n")[0])
+  assert all(p.startswith(qa_synthesis.PROMPT.split("\n")[0])
              for p in server.attempts)
   assert stats["failed_sessions"] == 2  # Session 2 of both dialogues.
   assert stats["kept_from_earlier_runs"] == sessions - 2
@@ -229,7 +230,7 @@ def test_expert_states_condition_the_prompt_on_the_memory_state(tmp_path):
   prompts = list(server.attempts)
   sessions = sum(len(r["haystack_sessions"]) for r in records)
   assert len(prompts) == sessions and stats["pairs"] == 2 * sessions
-  assert all(p.startswith(synthesize_qa.MEMORY_PROMPT.split("\n")[0])
+  assert all(p.startswith(qa_synthesis.MEMORY_PROMPT.split("\n")[0])
              and "Generate exactly 2 questions" in p for p in prompts)
   with_state = [p for p in prompts
                 if f"Core Memory:\n{CORE}\n" in p
@@ -238,7 +239,7 @@ def test_expert_states_condition_the_prompt_on_the_memory_state(tmp_path):
   assert len(with_state) == sessions - 2 and len(empty) == 2  # s0 of each.
   # The session itself and its date follow the state.
   first = records[0]
-  session_1 = synthesize_qa.session_text(first["haystack_sessions"][1])
+  session_1 = qa_synthesis.session_text(first["haystack_sessions"][1])
   assert any(f"(Newly Added):**\n{session_1}\n\nSession Timestamp: "
              f"{first['haystack_dates'][1]}\n" in p for p in with_state)
   qa = json.load(open(tmp_path / "dialogues_qa.json"))[0]["session_qa"]
