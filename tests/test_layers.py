@@ -31,9 +31,9 @@ def unit_of(module: str) -> str | None:
   return parts[1] if parts[0] == "cmimem_jax" and len(parts) > 1 else None
 
 
-def imports_of(path: pathlib.Path, module: str) -> set[str]:
-  """Every `cmimem_jax` module `path` imports, at any depth (function-level
-  imports included), relative imports resolved."""
+def all_imports(path: pathlib.Path, module: str) -> set[str]:
+  """Every module `path` (module `module`) imports, at any depth
+  (function-level imports included), relative imports resolved."""
   found = set()
   for node in ast.walk(ast.parse(path.read_text())):
     if isinstance(node, ast.Import):
@@ -49,7 +49,13 @@ def imports_of(path: pathlib.Path, module: str) -> set[str]:
       found.add(target)
       # `from cmimem_jax import cmi` imports the module `cmimem_jax.cmi`.
       found.update(f"{target}.{a.name}" for a in node.names)
-  return {m for m in found if m.split(".")[0] == "cmimem_jax"}
+  return found
+
+
+def imports_of(path: pathlib.Path, module: str) -> set[str]:
+  """Every `cmimem_jax` module `path` (module `module`) imports."""
+  return {m for m in all_imports(path, module)
+          if m.split(".")[0] == "cmimem_jax"}
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -165,40 +171,24 @@ def test_the_estimator_reads_no_bank_storage():
 TOOLS = ROOT / "tools"
 
 
-def imported_modules(path: pathlib.Path) -> set[str]:
-  """Every module `path` imports, at any depth, by its absolute name; a
-  relative import as `.name` (`from . import x`: `.x`)."""
-  found = set()
-  for node in ast.walk(ast.parse(path.read_text())):
-    if isinstance(node, ast.Import):
-      found.update(a.name for a in node.names)
-    elif isinstance(node, ast.ImportFrom):
-      if node.level:
-        found.update("." + (f"{node.module}." if node.module else "") + a.name
-                     for a in node.names)
-      else:
-        found.add(node.module)
-        found.update(f"{node.module}.{a.name}" for a in node.names)
-  return found
-
-
-def tool_imports_of_tools(path: pathlib.Path) -> list[str]:
-  """The tools `path` imports: `tools.x`, a relative import, or a sibling
-  file of `tools/` by its bare name (what a `sys.path` edit allowed)."""
+def tool_imports_of_tools(path: pathlib.Path, module: str) -> list[str]:
+  """The tools `path` (module `module`) imports: `tools.x` (relative
+  imports resolved), or a file of `tools/` by its bare name (what a
+  `sys.path` edit allowed)."""
   siblings = {p.stem for p in TOOLS.glob("*.py")} - {"__init__"}
-  return sorted(m for m in imported_modules(path)
-                if m.split(".")[0] in {"tools", *siblings}
-                or m.startswith("."))
+  return sorted(m for m in all_imports(path, module)
+                if m.split(".")[0] in {"tools", *siblings})
 
 
 def test_a_tool_imports_the_library_never_another_tool():
   tools = sorted(p for p in TOOLS.glob("*.py") if p.name != "__init__.py")
   assert len(tools) >= 10, tools
-  violations = {p.name: tool_imports_of_tools(p) for p in tools}
+  violations = {p.name: tool_imports_of_tools(p, f"tools.{p.stem}")
+                for p in tools}
   assert not {k: v for k, v in violations.items() if v}, violations
   # The library never imports a tool (it sits below them).
-  library = {str(p.relative_to(ROOT)): tool_imports_of_tools(p)
-             for p in PACKAGE.rglob("*.py")}
+  library = {module: tool_imports_of_tools(path, module)
+             for module, path in modules().items()}
   assert not {k: v for k, v in library.items() if v}, library
 
 
@@ -240,6 +230,6 @@ def test_the_checkers_see_a_tool_import_and_a_sys_path_edit(tmp_path):
       "def f():\n  from tools import plan\n  import reproduce\n"
       "  sys.path.insert(0, '..')\n  sys.path += ['x']\n"
       "from . import bench\nsys.path[0] = 'y'\n")
-  assert tool_imports_of_tools(path) == [".bench", "reproduce",
-                                         "tools", "tools.plan"]
+  assert tool_imports_of_tools(path, "tools.tool") == [
+      "reproduce", "tools", "tools.bench", "tools.plan"]
   assert sys_path_edits(path) == [7, 8, 10]
