@@ -2,6 +2,7 @@
 abstract shapes, on the fake 8-device CPU mesh and for a TPU topology
 (libtpu, from the test extras)."""
 
+import importlib
 import math
 import os
 import types
@@ -283,7 +284,8 @@ def test_run_steps_are_the_curricula(sessions, batch, epochs):
 
 
 def _config(name: str, **rl):
-  config = plan._load_config(f"{ROOT}/configs/{name}")
+  config = importlib.import_module(
+      f"configs.{name.removesuffix('.py')}").get_config()
   config.rl.update(rl)
   return config
 

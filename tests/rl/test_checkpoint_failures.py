@@ -12,6 +12,7 @@ import logging
 import jax
 import numpy as np
 import pytest
+from orbax.checkpoint._src.serialization import serialization
 
 from cmimem_jax.rl import Checkpointer, MetricsWriter, read_metrics
 from cmimem_jax.rl.checkpoint import (CheckpointNotSaved,
