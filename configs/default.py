@@ -49,8 +49,8 @@ def get_config():
                     "warmup_steps": 0, "logprob_chunk": 16})
   # The warm start `make demo` runs first (`python -m cmimem_jax.sft`):
   # SmolLM2-135M learns from the extractive teacher (the user's own
-  # sentences, `python -m tools.make_sft_data
-  # --teacher=extractive --max_response_tokens=80`, the rollout budget above) to write entries
+  # sentences, `python -m tools.make_sft_data --teacher=extractive
+  # --max_response_tokens=80`, the rollout budget above) to write entries
   # that carry the session's content; unaided it writes date fragments.
   # Three steps of 4 (~40 s each here) take the response NLL from 0.9 to
   # ~0.3. Prompts of the bundled sample are 0.50-0.58k tokens.

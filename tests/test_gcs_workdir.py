@@ -2,8 +2,8 @@
 (fake-gcs-server, `cmimem_jax.testing.gcs_emulator`): training on a
 bucket survives kill -9 and resumes exactly, a second trainer is refused,
 the tools read the run, an SFT checkpoint in the bucket warm-starts GRPO
-whose data comes from the bucket. (SIGTERM and resume, evaluate at a kept step and
-compare_paper on gs://: `tools/rehearse.py`'s stages.)"""
+whose data comes from the bucket. (SIGTERM and resume, evaluate at a kept
+step and compare_paper on gs://: `tools/rehearse.py`'s stages.)"""
 
 import importlib.util
 import json

@@ -28,8 +28,9 @@ evaluate (at a kept checkpoint step, the LLM judge; no transport failures)
 -> compare_paper. Train, evaluate and compare_paper run on the bucket as
 the TPU config documents (`--workdir=gs://...`): a GCS emulator
 (`cmimem_jax.testing.gcs_emulator`, fake-gcs-server) holds it, every
-client pointed there by `STORAGE_EMULATOR_HOST`. One line per stage, then a table; the
-exit status is non-zero and names the first stage that failed.
+client pointed there by `STORAGE_EMULATOR_HOST`. One line per stage, then
+a table; the exit status is non-zero and names the first stage that
+failed.
 
   python -m tools.rehearse --workdir=DIR     # or: make rehearsal
 """

@@ -3,19 +3,20 @@ and of its overlap with decoding, on this CPU: trains `configs/tiny.py`
 (grammar-constrained rollouts, so they are valid and ask questions) with
 the LLM judge, whose answer model and judge are two latency stand-ins
 (`cmimem_jax.testing.scripted_llm --latency_s`), decoding each step in
-waves of
-`--max_rows_per_wave` rows, twice at the same seed: scoring each wave as
-it is decoded while the next decodes (`rollout.score_beside_decoding`,
-what training runs) and scoring after the last wave (the serial order).
+waves of `--max_rows_per_wave` rows, twice at the same seed: scoring each
+wave as it is decoded while the next decodes
+(`rollout.score_beside_decoding`, what training runs) and scoring after
+the last wave (the serial order).
 
 It prints, per step, what the trainer measured in each run (`sample_s`:
 decoding; `reward_s`: the scoring after it) beside the plan's model: the
 serial scoring stage `(ceil(N / C) + 1) x L` for the step's N answer
 calls (`task.scoring_rounds.call_rounds`), and the calls' rounds left
 after the last wave when each wave's are sent as it is decoded
-(`task.scoring_rounds.scoring_after_decoding`, with the run's own measured
-seconds a wave), and the old serial scoring's `2 x valid rollouts x L`. It exits
-non-zero if the two runs' rollouts (`rollouts.jsonl`) or rewards differ.
+(`task.scoring_rounds.scoring_after_decoding`, with the run's own
+measured seconds a wave), and the old serial scoring's `2 x valid
+rollouts x L`. It exits non-zero if the two runs' rollouts
+(`rollouts.jsonl`) or rewards differ.
 
   python -m tools.scoring_check --latency_s=0.2 --concurrency=4 --steps=3 \
       --max_rows_per_wave=4
