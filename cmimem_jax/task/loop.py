@@ -127,7 +127,8 @@ def _check_training(c) -> None:
           "a positive integer")
   if c.get("rl.snapshots") != "policy":
     c.check_location("rl.snapshots", "'policy' or a directory of expert "
-                     "states (tools/build_expert_states.py)", directory=True)
+                     "states (python -m tools.build_expert_states)",
+                     directory=True)
   c.check("qa.judge", lambda v: v in ("context_recall", "llm"),
           "context_recall or llm")
   c.check("qa.max_failure_rate", lambda v: finite_number(v, 0.0, 1.0),

@@ -217,7 +217,7 @@ def load_expert_states(directory: str, records: list[dict]
   if not os.path.exists(os.path.join(directory, STATES_FILE)):
     raise ValueError(f"--expert_states={directory!r} holds no expert states "
                      f"({STATES_FILE} missing): build them with "
-                     "tools/build_expert_states.py")
+                     "python -m tools.build_expert_states")
   paths = [[path_under(directory, record["question_id"], f"s{t}")
             for t in range(len(record["haystack_sessions"]))]
            for record in records]
@@ -227,7 +227,7 @@ def load_expert_states(directory: str, records: list[dict]
   if missing:
     raise ValueError(f"{len(missing)} session states missing in {directory} "
                      f"(first: {missing[:3]}): finish them with "
-                     "tools/build_expert_states.py")
+                     "python -m tools.build_expert_states")
   return [[MemoryBank.load(p) for p in per_record] for per_record in paths]
 
 

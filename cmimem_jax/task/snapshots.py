@@ -232,7 +232,7 @@ def load_expert_snapshots(directory: str, dialogues: Sequence[Dialogue],
   if not path.exists():
     raise ValueError(f"rl.snapshots={directory!r} holds no expert states "
                      f"({STATES_FILE} missing): build them with "
-                     "tools/build_expert_states.py")
+                     "python -m tools.build_expert_states")
   stored = json.loads(path.read_text()).get("encoder", {})
   keys = ("kind", "dim", "query_instruction")
   if any(stored.get(k) != encoder_settings.get(k) for k in keys):
@@ -246,7 +246,7 @@ def load_expert_snapshots(directory: str, dialogues: Sequence[Dialogue],
   if missing:
     raise ValueError(f"{len(missing)} dialogues lack expert states in "
                      f"{directory} (first missing: {missing[:3]}): finish "
-                     "them with tools/build_expert_states.py")
+                     "them with python -m tools.build_expert_states")
   banks = load_snapshots(directory, dialogues)
   assert banks is not None  # Every state was just found.
   return banks

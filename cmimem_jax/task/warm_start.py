@@ -184,7 +184,7 @@ def _check_sft(c) -> None:
           "True or False (teacher prompts over sft.max_prompt_tokens "
           "written with fewer retrieved entries)")
   c.check_location("sft.data", "an existing JSONL file "
-                   "(tools/make_sft_data.py writes one)")
+                   "(python -m tools.make_sft_data writes one)")
 
 
 register_section("sft", _check_sft)
