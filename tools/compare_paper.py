@@ -3,7 +3,7 @@
   python -m tools.compare_paper --results=/tmp/eval_locomo[,/tmp/eval_lme] \
       [--format=markdown|json] [--out=FILE]
 
-Each DIR is an `python -m cmimem_jax.evaluate` workdir (`results.json`,
+Each DIR is a `python -m cmimem_jax.evaluate` workdir (`results.json`,
 `settings.json`). For every paper table that reports its benchmark
 (Table 1 for LoCoMo; Tables 1, 3 and 9 for LongMemEval) it prints the
 paper's rows, ours, the difference to the reference row (the matching RAG
