@@ -13,6 +13,8 @@ import pytest
 from cmimem_jax.models.qwen3 import preset
 from cmimem_jax.rl.step import GRPOStep, RolloutSettings
 from cmimem_jax.task.curriculum import Curriculum, SessionRef
+from cmimem_jax.task.scoring_rounds import (call_rounds, endpoint_rounds,
+                                            scoring_after_decoding)
 from cmimem_jax.testing import run_tool
 from tools import plan
 
@@ -127,7 +129,7 @@ def test_plan_compiles_the_train_step_and_rollout_for_a_v5p_8():
   wave_s = (per_step["rollout_prefill_s"] + per_step["rollout_decode_s"]) / 4
   assert run["endpoint"]["scoring_s"] == (1280 / 8 + 1) * 3.0
   assert per_step["reward_endpoint_s"] == pytest.approx(
-      plan.scoring_after_decoding([320] * 4, 8, 3.0, wave_s), abs=1e-5)
+      scoring_after_decoding([320] * 4, 8, 3.0, wave_s), abs=1e-5)
   assert per_step["reward_endpoint_s"] == pytest.approx(
       (1280 / 8 + 1) * 3.0 - 3 * wave_s, abs=1e-5)
   assert run["endpoint"]["answer_concurrency"] == 8
@@ -265,12 +267,12 @@ def _simulated_scoring(wave_calls, concurrency, latency, wave_s):
     ([0, 0], 4, 1.0)])
 def test_scoring_after_decoding_is_the_simulated_step(wave_calls,
                                                       concurrency, wave_s):
-  model = plan.scoring_after_decoding(wave_calls, concurrency, 3.0, wave_s)
+  model = scoring_after_decoding(wave_calls, concurrency, 3.0, wave_s)
   assert model == pytest.approx(
       _simulated_scoring(wave_calls, concurrency, 3.0, wave_s), abs=1e-9)
-  serial = plan.scoring_after_decoding(wave_calls, concurrency, 3.0, wave_s,
-                                       beside=False)
-  assert serial == plan.call_rounds(sum(wave_calls), concurrency) * 3.0
+  serial = scoring_after_decoding(wave_calls, concurrency, 3.0, wave_s,
+                                  beside=False)
+  assert serial == call_rounds(sum(wave_calls), concurrency) * 3.0
   assert model <= serial
 
 
@@ -316,11 +318,11 @@ def test_run_layout_sessions_and_endpoint_rounds_of_the_paper_configs():
     plan.run_sessions(_config("default.py"), 0)
   # 256 rollouts x 5 questions, 8 in flight, the last verdicts a round
   # later; the slower endpoint decides; --concurrency sets both.
-  assert plan.endpoint_rounds(tpu, 256, 5) == 160 + 1
+  assert endpoint_rounds(tpu, 256, 5) == 160 + 1
   tpu.qa.answer.concurrency = 2
-  assert plan.endpoint_rounds(tpu, 256, 5) == 640 + 1
-  assert plan.endpoint_rounds(tpu, 256, 5, concurrency=32) == 40 + 1
-  assert plan.endpoint_rounds(_config("tiny.py"), 256, 5) == 0
+  assert endpoint_rounds(tpu, 256, 5) == 640 + 1
+  assert endpoint_rounds(tpu, 256, 5, concurrency=32) == 40 + 1
+  assert endpoint_rounds(_config("tiny.py"), 256, 5) == 0
   # The learner's rows per shared prompt (what the plan costs the update
   # with): a session's 8 rollouts split into micro-batches x chips
   # (rl.shared_prompt_group's rule).
