@@ -1,10 +1,11 @@
 """Stand-ins for what a CPU machine lacks, shared by the test suite and
 `tools/rehearse.py`: random-weight checkpoints shaped like the paper's
-(`standins`), a scripted OpenAI-compatible LLM that answers each
-documented prompt in its format (`scripted_llm`), a loopback OpenAI
-server with injected failures (`fake_openai`), a Google Cloud Storage
-emulator (`gcs_emulator`); and `run_tool`, a tool's command line run in
-this process. The servers run on their own as
+(`standins`), random tiny `transformers` causal LMs the model tests
+compare against (`hf_models`), a scripted OpenAI-compatible LLM that
+answers each documented prompt in its format (`scripted_llm`), a
+loopback OpenAI server with injected failures (`fake_openai`), a Google
+Cloud Storage emulator (`gcs_emulator`); and `run_tool`, a tool's
+command line run in this process. The servers run on their own as
 `python -m cmimem_jax.testing.NAME`.
 """
 

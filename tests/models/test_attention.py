@@ -13,8 +13,7 @@ from jax.sharding import Mesh
 from cmimem_jax.models import attention
 from cmimem_jax.models.qwen3 import Qwen3, positions_from_mask, preset
 from cmimem_jax.testing import run_tool
-
-from conftest import left_padded_batch  # noqa: I100
+from cmimem_jax.testing.hf_models import left_padded_batch
 
 B, T, HEADS, KV, DIM = 3, 200, 4, 2, 32
 

@@ -9,8 +9,7 @@ from cmimem_jax.encoders.neural import (MiniLMEncoder, Qwen3EmbeddingEncoder,
 from cmimem_jax.models.bert import load_bert, mean_pool
 from cmimem_jax.models.qwen3 import load_hf, positions_from_mask
 from cmimem_jax.encoders.neural import last_token_pool
-
-from conftest import left_padded_batch  # noqa: I100
+from cmimem_jax.testing.hf_models import left_padded_batch
 
 
 def _random_bert(tmp_path):

@@ -11,9 +11,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cmimem_jax.models.qwen3 import (KVCache, Qwen3, load_hf,
                                      positions_from_mask, preset)
 from cmimem_jax.testing import run_tool
+from cmimem_jax.testing.hf_models import hf_causal_lm, left_padded_batch
 from tools import compare_reference
-
-from conftest import hf_causal_lm, left_padded_batch  # noqa: I100
 
 
 def test_load_onto_a_mesh_with_per_parameter_shardings(tmp_path):

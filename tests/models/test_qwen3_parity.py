@@ -4,8 +4,7 @@ import torch
 
 from cmimem_jax.models.qwen3 import (Qwen3Config, load_hf, positions_from_mask,
                                      save_hf)
-
-from conftest import hf_causal_lm, left_padded_batch  # noqa: I100
+from cmimem_jax.testing.hf_models import hf_causal_lm, left_padded_batch
 
 
 def _hf_logits(model, tokens, mask):

@@ -68,14 +68,9 @@ def test_train_without_vllm_says_one_line_with_the_install_command(tmp_path):
 
 
 def test_weights_for_vllm_match_the_transformers_state_dict(tmp_path):
-  import importlib.util
-  import os
-  spec = importlib.util.spec_from_file_location("model_helpers", os.path.join(
-      os.path.dirname(__file__), "..", "models", "conftest.py"))
-  helpers = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(helpers)
-  reference, directory = helpers.hf_causal_lm(tmp_path, "qwen3",
-                                              tie_word_embeddings=False)
+  from cmimem_jax.testing.hf_models import hf_causal_lm
+  reference, directory = hf_causal_lm(tmp_path, "qwen3",
+                                      tie_word_embeddings=False)
   ours = dict(vllm_weights(load_hf(directory)))
   want = reference.state_dict()
   assert set(ours) == set(want)
