@@ -5,7 +5,6 @@ the tools read the run, an SFT checkpoint in the bucket warm-starts GRPO
 whose data comes from the bucket. (SIGTERM and resume, evaluate at a kept
 step and compare_paper on gs://: `tools/rehearse.py`'s stages.)"""
 
-import importlib.util
 import json
 import os
 import signal
@@ -24,16 +23,10 @@ from cmimem_jax.rl import Checkpointer, read_metrics, read_rollouts
 from cmimem_jax.task.loop import Trainer, plan_sessions, training_dialogues
 from cmimem_jax.task.warm_start import run_sft, write_jsonl
 from cmimem_jax.testing import run_tool
+from configs import small_repro, tiny
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-
-
-def _load(name: str, path: str):
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def _wait_for(predicate, timeout: float, what: str,
@@ -91,7 +84,7 @@ def test_train_on_a_bucket_resumes_after_kill_9(gcs, tmp_path):
   assert "taking over a stale lock" in resumed.stderr
   got = read_metrics(run)
   assert [m["step"] for m in got] == [1, 2]
-  config = _load("tiny", f"{ROOT}/configs/tiny.py").get_config()
+  config = tiny.get_config()
   dialogues = training_dialogues(config.dataset)
   _, curriculum = plan_sessions(config, dialogues)
   assert [m["sessions"] for m in got] == [
@@ -123,9 +116,8 @@ def test_sft_in_a_bucket_warm_starts_train_on_a_dataset_in_the_bucket(
       {"messages": [{"role": "user", "content": f"Session {i}: I like tea."}],
        "response": "CORE:APPEND|Likes tea\nEPISODIC:SKIP\nSEMANTIC:ADD|"
                    f"Tea - drink {i}\nPROCEDURAL:SKIP\n"} for i in range(8)])
-  config = _load("tiny", f"{ROOT}/configs/tiny.py").get_config()
-  config.sft = _load("small_repro", f"{ROOT}/configs/small_repro.py"
-                     ).get_config().sft
+  config = tiny.get_config()
+  config.sft = small_repro.get_config().sft
   apply_overrides(config, {
       "mesh": "data:2,tensor:4", "tensorboard": False,
       "dataset.path": f"{bucket}/data/sample.json", "dataset.dialogues": 2,

@@ -1,6 +1,5 @@
 """`python -m cmimem_jax.train` end to end with configs/tiny.py."""
 
-import importlib.util
 import json
 import os
 import re
@@ -25,6 +24,7 @@ from cmimem_jax.task.episode import apply_to_copy
 from cmimem_jax.task.loop import Trainer, plan_sessions, training_dialogues
 from cmimem_jax.task.reward import RewardComputer, RewardConfig, RolloutInput
 from cmimem_jax.task.skip_table import calibrated
+from configs import tiny
 from tools import skip_report
 
 pytestmark = pytest.mark.slow
@@ -32,11 +32,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def tiny_config(**overrides):
-  spec = importlib.util.spec_from_file_location(
-      "tiny", os.path.join(ROOT, "configs", "tiny.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = tiny.get_config()
   config.mesh = "fsdp:2,tensor:4"  # The 8 fake CPU devices of conftest.
   config.tensorboard = False
   return apply_overrides(config, overrides)

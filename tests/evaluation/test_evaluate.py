@@ -15,17 +15,11 @@ from cmimem_jax.config import (CallsFailed, ConfigError, apply_overrides,
 from cmimem_jax.data import load_locomo
 from cmimem_jax.evaluation.run import evaluate, failed_endpoints
 from cmimem_jax.testing.fake_openai import FakeOpenAI
-
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+from configs import eval_cpu
 
 
 def eval_config(path, name="locomo", **overrides):
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(
-      "eval_cpu", os.path.join(CONFIGS, "eval_cpu.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = eval_cpu.get_config()
   config.dataset.name, config.dataset.path = name, path
   # The hashing encoder keeps the full-file runs fast; MiniLM is the default.
   config.encoder.kind, config.encoder.dim = "hashing", 256

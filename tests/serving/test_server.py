@@ -5,7 +5,6 @@ our clients against it."""
 import concurrent.futures
 import ctypes
 import gc
-import importlib.util
 import json
 import logging
 import os
@@ -25,16 +24,13 @@ import pytest
 from cmimem_jax.encoders import make_encoder
 from cmimem_jax.client import EndpointConfig, OpenAIClient
 from cmimem_jax.serving import Server
+from configs import eval_cpu, serve_cpu
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def serve_config():
-  spec = importlib.util.spec_from_file_location(
-      "serve_cpu", os.path.join(ROOT, "configs", "serve_cpu.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = serve_cpu.get_config()
   # A random tiny policy and the hashing encoder keep the test fast.
   config.policy.update({"source": "random", "preset": "tiny"})
   config.encoder.update({"kind": "hashing", "dim": 32})
@@ -566,19 +562,11 @@ def test_our_evaluation_against_our_server_with_the_cpu_defaults(
   timeout). SmolLM2-135M rarely writes a Listing 11 verdict our judge
   can read: those are counted (`unparseable_verdict`), never scored."""
   from cmimem_jax.evaluation.run import evaluate
-  spec = importlib.util.spec_from_file_location(
-      "serve_cpu", os.path.join(ROOT, "configs", "serve_cpu.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = serve_cpu.get_config()
   config.serve.update({"embeddings": False, "warm_up_prompt_tokens": ()})
   with Server(config) as served:
     assert served.ready.wait(60)
-    spec = importlib.util.spec_from_file_location(
-        "eval_cpu", os.path.join(ROOT, "configs", "eval_cpu.py"))
-    eval_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(eval_module)
-    evaluation = eval_module.get_config()
+    evaluation = eval_cpu.get_config()
     evaluation.dataset.path = locomo_path
     evaluation.encoder.update({"kind": "hashing", "dim": 256})
     evaluation.update({"limit": 2, "rag_top_k": 5})

@@ -1,7 +1,6 @@
 """Teacher trajectories, the SFT job, and GRPO started from its checkpoint
 with grammar-constrained rollouts."""
 
-import importlib.util
 import json
 import os
 import re
@@ -23,16 +22,8 @@ from cmimem_jax.task import warm_start
 from cmimem_jax.task.warm_start import run_sft, summary_line, write_jsonl
 from cmimem_jax.testing import run_tool
 from cmimem_jax.testing.fake_openai import FakeOpenAI
+from configs import default, small_repro, tiny
 from tools import make_sft_data
-
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-
-
-def load_module(name, path):
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def test_annotation_trajectories_are_valid_and_apply(tmp_path, locomo_path):
@@ -86,8 +77,7 @@ def test_extractive_trajectories_fit_the_rollout_budget(tmp_path):
     assert len(tokenizer.encode(record["response"],
                                 add_special_tokens=False)) + 1 <= 80
   # `make demo`'s warm start trains on every one of them.
-  demo = load_module("default", os.path.join(ROOT, "configs", "default.py")
-                     ).get_config()
+  demo = default.get_config()
   assert demo.sft.max_response_tokens == demo.rollout.max_new_tokens == 80
   examples, too_long = warm_start._examples(
       str(output), tokenizer, demo.sft.max_prompt_tokens,
@@ -105,13 +95,10 @@ def test_extractive_trajectories_fit_the_rollout_budget(tmp_path):
 
 
 def tiny_config(tmp_path, **overrides):
-  config = load_module("tiny", os.path.join(ROOT, "configs", "tiny.py")
-                       ).get_config()
+  config = tiny.get_config()
   config.mesh = "data:2,tensor:4"  # The 8 fake CPU devices of conftest.
   config.tensorboard = False
-  config.sft = load_module(
-      "small_repro", os.path.join(ROOT, "configs", "small_repro.py")
-  ).get_config().sft
+  config.sft = small_repro.get_config().sft
   data = tmp_path / "teacher.jsonl"
   write_jsonl(str(data), [
       {"messages": [{"role": "user", "content": f"Session {i}: I like tea."}],
