@@ -195,9 +195,9 @@ def training() -> ml_collections.ConfigDict:
       # Each session's prompt runs once for its rollouts (exact): on TPU
       # the splash kernel over packed [prompt; rollout 1; ...; rollout 8]
       # sequences, 0.4 of whole rows' FLOPs here; compiled for a v5p-8 at
-      # 62.4 GiB a chip (BENCHMARKS.md "Shared prompts on TPU"). Elsewhere
-      # an XLA [T, Tp + T] score block per row and head: the GPU config
-      # keeps whole rows.
+      # 62.4 GiB a chip (BENCHMARKS.md "A GRPO step that does not wait
+      # in line"). Elsewhere an XLA [T, Tp + T] score block per row and
+      # head: the GPU config keeps whole rows.
       "share_prompts": True,
       # M_{t-1} of each session: a directory of fixed expert states (the
       # paper's data "synthesized by deepseek-v4-pro following Shen et al.

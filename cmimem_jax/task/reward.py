@@ -109,7 +109,7 @@ class RewardConfig:
   # them have a stored entry at cosine >= `semantic_skip_cosine` (their
   # nearest neighbour), or the user states nothing. Both are the encoder's
   # own, chosen by tools/skip_calibration.py on LoCoMo training
-  # conversations (RESULTS.md "Semantic SKIP calibration") and read from
+  # conversations (RESULTS.md "Semantic SKIP by coverage") and read from
   # the table `skip_calibration` names ("": the packaged one) by
   # `skip_table.calibrated`; None = not calibrated (no SKIP can be judged,
   # and training refuses to start).
