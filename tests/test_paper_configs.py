@@ -151,6 +151,7 @@ NOT_IN_PAPER = {
     "rollout.engine": "hardware", "rollout.buckets": "compiled shapes",
     "rollout.max_rows_per_wave": "memory bound of decoding",
     "rollout.decode_devices": "hardware (where rollouts decode)",
+    "rollout.score_beside_decoding": "scheduling (the same samples)",
     "rollout.release_programs_each_step": "host memory of a CPU run",
     "qa.answer.": "an endpoint", "qa.judge_endpoint.": "an endpoint",
     "qa.max_failure_rate": "failed endpoint calls accepted per step",

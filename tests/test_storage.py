@@ -273,3 +273,19 @@ def test_a_held_remote_lock_is_refreshed_and_never_taken_back(gcs, caplog):
   assert "was taken over by train (pid 7 on tpu-vm-1)" in caplog.text
   lock.release()  # Not its lock any more: left in place.
   assert storage.path(f"{run}/.lock").read_text() == successor
+
+
+def test_a_second_emulator_gives_its_children_its_own_endpoints_only(
+    gcs, tmp_path):
+  """The rehearsal's emulator inside a test session's (tools/rehearse.py
+  under pytest): its children's tensorstore URL is its own, not the
+  session's (whose server has no such bucket: Orbax's arrays got 404s)."""
+  from cmimem_jax.testing.gcs_emulator import GcsEmulator
+  outer = dict(os.environ)
+  assert outer["TENSORSTORE_GCS_HTTP_URL"] == gcs.url
+  with GcsEmulator(str(tmp_path / "inner")) as inner:
+    child = inner.child_environment(outer)
+  assert inner.url != gcs.url
+  assert child["STORAGE_EMULATOR_HOST"] == inner.url
+  assert child["TENSORSTORE_GCS_HTTP_URL"] == inner.url
+  assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == gcs.url  # Restored.

@@ -468,7 +468,7 @@ class Rehearsal:
         os.path.join(self.work, "gcs")) as emulator:
       self.fill["scripted"] = scripted.base_url
       self.emulator = emulator
-      self.env["STORAGE_EMULATOR_HOST"] = emulator.url
+      self.env = emulator.child_environment(self.env)
       try:
         yield
       finally:

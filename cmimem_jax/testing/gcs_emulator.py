@@ -82,6 +82,16 @@ class GcsEmulator:
     storage.configure_clients()
     self.fs = storage.filesystem()
 
+  def child_environment(self, env: dict[str, str]) -> dict[str, str]:
+    """`env` for a child process that must use this emulator: every GCS
+    client variable set for it, none left from another emulator (a test
+    session's own, whose tensorstore URL would otherwise win in the child
+    and send its checkpoint arrays to a server without the bucket)."""
+    child = {k: v for k, v in env.items() if k not in VARIABLES}
+    child.update({k: os.environ[k] for k in VARIABLES if k in os.environ})
+    child["STORAGE_EMULATOR_HOST"] = self.url
+    return child
+
   def bucket(self, name: str) -> str:
     """Creates bucket `name` (empty); returns `gs://name`."""
     self.fs.mkdir(name)
