@@ -18,25 +18,24 @@ Pallas splash-attention kernel (`policy.attention_impl="auto"` on TPU).
 endpoints changed, its workdir, dataset and expert states in a bucket of
 a GCS emulator. A preempted VM's successor resumes with the same command.)
 
-Table 7 as written (prompts up to 20,000 tokens, responses up to 6,000,
-32 sessions x 8 rollouts per step, 32 micro-batches) fits a v5p-8 and a
-v6e-8, proven by compiling the trainer's own programs (`tools/plan.py`
-lowers the step `task.loop.grpo_step` builds, over abstract weights;
-`BENCHMARKS.md`, "TPU plan of Table 7"):
+Table 7's settings on a v5p-8, proven by compiling the trainer's own
+programs (`tools/plan.py` lowers the step `task.loop.grpo_step` builds,
+over abstract weights; BENCHMARKS.md, "Current" and "The paper's run,
+costed"):
 
   pip install -e ".[tpu]"
   python -m tools.plan --config=configs/qwen3_4b_tpu.py --topology=v5p-8 --run
 
-* the update of a whole step (32 micro-batches of 8 rows of 26,000
-  tokens: 2 rows per chip) needs 65.1 GiB of the 95 GiB HBM per chip
-  (v6e-8: 1 row per chip, 30.8 of 32 GiB);
+* the update of a whole step (prompts up to 20,000 tokens, responses up
+  to 6,000, 32 sessions x 8 rollouts in 8 micro-batches, each session's
+  prompt run once for its rollouts: `rl.share_prompts`) needs 72.8 GiB of
+  the 95 GiB HBM per chip; a v6e-8 (32 GiB) does not hold it (40.6 GiB);
 * rollouts decode on every chip (`rollout.decode_devices="mesh"`), each
   holding its share of the rows and of both KV caches (a session's 20k
   prompt cache is shared by its 8 rollouts), in waves of 64 rows
-  (`max_rows_per_wave`): 2 sessions per v5p chip, 43.2 GiB with the
-  optimizer state and reference that stay resident (v6e-8: 1 session per
-  chip, 22.1 GiB). Table 7's 128-row wave fits a v5p-8 (70.4 GiB) but not
-  a v6e-8 (35.7 of 32 GiB), hence 64.
+  (`max_rows_per_wave`): 2 sessions per chip, 43.2 GiB with the optimizer
+  state and reference that stay resident;
+* the in-process Qwen3-Embedding's largest call, 23.4 GiB beside them.
 """
 
 import ml_collections

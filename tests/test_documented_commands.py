@@ -356,6 +356,27 @@ def test_every_documented_command_has_an_entry():
       "configs/ablations/__init__.py"}
 
 
+def test_the_quick_starts_commands_are_documented_ones():
+  """README's first screen (Quick start) shows the TPU command as the 4B
+  config's docstring writes it: each of its commands is one the registry
+  above runs, word for word."""
+  with open(os.path.join(REPO, "README.md")) as f:
+    text = f.read()
+  quick = re.split(r"^(?=## )", text, flags=re.M)[1]
+  assert quick.startswith("## Quick start")
+  commands = []
+  for block in re.findall(r"^```bash\n(.*?)^```", quick, flags=re.M | re.S):
+    lines = block.splitlines()
+    commands += [rehearse.command_words(rehearse.continued(lines, i)[0])
+                 for i, line in enumerate(lines)
+                 if line.startswith(("python ", "pip "))]
+  assert any(w[:4] == ["python", "-m", "cmimem_jax.train",
+                       "--config=configs/qwen3_4b_tpu.py"] for w in commands)
+  known = [words for _, words in documented_commands()]
+  for words in commands:
+    assert words in known, " ".join(words)
+
+
 def test_each_entry_names_a_test_that_runs_its_command():
   for words in {key(w): w for _, w in documented_commands()}.values():
     entry = COMMANDS[key(words)]
