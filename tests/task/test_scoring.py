@@ -182,8 +182,9 @@ def test_failing_endpoints_give_todays_counts(step):
   computer = RewardComputer(ENCODER)
   outcomes = []
   for score in ("serial", "scorer"):
-    with FakeOpenAI(behaviour, delay_s=0.25) as server:
-      qa = llm_reward(server.base_url, server.base_url, 8, timeout_s=0.1,
+    # A 5x margin on the timeout for answers a loaded machine slows.
+    with FakeOpenAI(behaviour, delay_s=1.0) as server:
+      qa = llm_reward(server.base_url, server.base_url, 8, timeout_s=0.5,
                       max_retries=1)
       if score == "serial":
         terms = serial_scores(episodes, texts, 4, qa, computer)
