@@ -158,6 +158,13 @@ def _check_encoder(c: _Checker) -> None:
         f"{INSTRUCTED_ENCODERS} do)")
   if c.get("encoder.kind") in ("hashing", "openai"):
     c.check("encoder.dim", _positive_int, "a positive integer")
+  elif c.get("encoder.kind") == "minilm":
+    # all-MiniLM-L6-v2's width: another would index and calibrate a
+    # vector size the model never produces.
+    dim = c.get("encoder.dim")
+    if dim not in (_MISSING, 384):
+      c.problems.append(f"encoder.dim={dim!r}: must be 384 (all-MiniLM-L6-v2's "
+                        "width) for encoder.kind='minilm'")
   if c.get("encoder.kind") == "openai":
     c.check("encoder.endpoint.base_url",
             lambda v: isinstance(v, str) and v.startswith("http"),

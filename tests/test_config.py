@@ -46,6 +46,14 @@ def test_every_problem_is_reported_at_once():
     assert expected in message
 
 
+def test_minilm_takes_only_its_own_width(locomo_path):
+  config = build_memory.get_config()
+  config.dataset.path = locomo_path
+  config.encoder.dim = 1024
+  with pytest.raises(ConfigError, match=r"encoder.dim=1024: must be 384"):
+    validate_config(config, required=("encoder",))
+
+
 def test_only_the_named_sections_are_checked():
   config = build_memory.get_config()
   config.dataset.path = bundled_path()
