@@ -668,9 +668,11 @@ class Trainer:
       # seconds): a signal after this line stops the run at the end of
       # the step it lands in (tools/rehearse.py relies on it).
       if echo:
+        resumed = (f" (resumed from {self.resumed_from})"
+                   if self.resumed_from else "")
         echo(f"training: steps {self.loop['step'] + 1}..{self.total_steps}"
-             + (f" (resumed from {self.resumed_from})" if self.resumed_from
-                else ""))
+             + resumed if self.loop["step"] < self.total_steps else
+             f"training: steps done, all {self.total_steps}{resumed}")
       while self.loop["step"] < self.total_steps:
         if stop.requested(self.loop["step"], self.checkpointer.manager):
           self.save_checkpoint()
