@@ -41,6 +41,7 @@ ported from MemBuilder, and the departures).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import os
 import signal
@@ -154,20 +155,32 @@ def synthesize(jobs: list[tuple[tuple[int, str], list[dict]]],
                client: OpenAIClient, per_session: int, progress: Progress,
                stop: StopRequested | None = None) -> dict:
   """Asks `client` for the pairs of each job (`session_prompts`) not yet
-  in `progress`, a wave of `concurrency` calls at a time, keeping each
-  wave's pairs as it returns; stops between waves when `stop` is set.
-  Returns this run's counts."""
+  in `progress`, `concurrency` calls in flight at all times (the next sent
+  as soon as one returns, not wave by wave), each session's pairs kept as
+  its answer arrives. Once `stop` is set nothing more is sent and the
+  calls in flight (already paid for) are kept. Returns this run's counts."""
   stats: collections.Counter[str] = collections.Counter()
   pending = [job for job in jobs if job[0] not in progress.done]
   stats["kept_from_earlier_runs"] = len(jobs) - len(pending)
-  wave = max(1, client.config.concurrency)
   first_error = ""
-  for start in range(0, len(pending), wave):
-    if stop is not None and stop.signum is not None:
-      break
-    chunk = pending[start:start + wave]
-    results = client.chat_many([messages for _, messages in chunk])
-    for (key, _), result in zip(chunk, results):
+  unsent = iter(pending)
+  in_flight: dict[concurrent.futures.Future, tuple[int, str]] = {}
+
+  def send() -> None:
+    # Sent from here, not queued in the pool, so a stop sends no more.
+    while (len(in_flight) < max(1, client.config.concurrency)
+           and (stop is None or stop.signum is None)):
+      job = next(unsent, None)
+      if job is None:
+        return
+      in_flight[client.submit(job[1])] = job[0]
+
+  send()
+  while in_flight:
+    done, _ = concurrent.futures.wait(
+        in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+    for future in done:
+      key, result = in_flight.pop(future), future.result()
       stats["calls"] += 1
       pairs = parse_pairs(result.text, per_session) if result.ok else None
       if pairs is None:
@@ -178,6 +191,7 @@ def synthesize(jobs: list[tuple[tuple[int, str], list[dict]]],
             (result.error or "an answer without JSON pairs").split())
         continue
       progress.keep(key, pairs)
+    send()
   if first_error:
     stats["first_error"] = first_error
   return dict(stats)
