@@ -12,6 +12,7 @@ Compiled programs are kept in JAX's persistent compilation cache
 """
 
 import os
+import signal
 import sys
 
 from absl import flags
@@ -29,8 +30,21 @@ def _progress(k: int, n: int, batch: int, bucket: int, seconds: float
         f"({seconds:.1f} s)", flush=True)
 
 
+def _say_stopped_then_end(signum: int, frame: object) -> None:
+  """SIGTERM's handler once uvicorn has drained and handed the signal back:
+  the same last line as Ctrl-C, then the signal's own exit status (what a
+  supervisor expects)."""
+  del frame
+  print("server stopped", flush=True)
+  signal.signal(signum, signal.SIG_DFL)
+  signal.raise_signal(signum)
+
+
 def main(argv: list[str]) -> None:
   del argv
+  # uvicorn captures SIGTERM while serving and re-raises it, after the
+  # drain, to the handler installed before it started: this one.
+  signal.signal(signal.SIGTERM, _say_stopped_then_end)
   try:
     server = Server(flags.FLAGS.config, _HOST.value, _PORT.value, _progress,
                     lambda url: print(f"ready at {url}", flush=True))
@@ -41,8 +55,8 @@ def main(argv: list[str]) -> None:
   except KeyboardInterrupt:  # Ctrl-C; uvicorn re-raises it once drained.
     pass
   # A generate or encode call still running in a worker thread cannot be
-  # interrupted: leave without waiting for it. (SIGTERM never gets here:
-  # uvicorn re-raises it after the drain, ending the process.)
+  # interrupted: leave without waiting for it. (SIGTERM ends in
+  # `_say_stopped_then_end` instead.)
   print("server stopped", flush=True)
   sys.stderr.flush()
   os._exit(0)

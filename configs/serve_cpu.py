@@ -27,9 +27,11 @@ def get_config() -> ml_collections.ConfigDict:
       "max_embedding_inputs": 256, "max_embedding_chars": 32_768,
       # After SIGTERM / Ctrl-C, requests in flight get this long.
       "shutdown_timeout_s": 3.0,
-      # Compile every batch size for these prompt lengths before serving
-      # (/health answers 503 until then): a client never waits on a
-      # compile. Prompt buckets of evaluation's Listing 10 answers and
-      # Listing 11 judgements on LoCoMo.
+      # Compile every batch size for these prompt lengths' buckets before
+      # serving (/health answers 503 until then): such a request never
+      # waits on a compile. A prompt in another bucket (e.g. under 256
+      # tokens) compiles its program on first use, with a warning. Prompt
+      # buckets of evaluation's Listing 10 answers and Listing 11
+      # judgements on LoCoMo.
       "warm_up_prompt_tokens": (512, 1024, 2048)})
   return config

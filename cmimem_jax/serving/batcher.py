@@ -98,6 +98,10 @@ class ChatBatcher:
     self._queue: queue.Queue[_Request | None] = queue.Queue()
     self._key = jax.random.key(seed)
     self.batches: list[int] = []  # Requests served by each generate call.
+    # (batch size, prompt bucket) of the programs built before serving, and
+    # those a request had to wait for because the warm-up did not build them.
+    self.warmed: set[tuple[int, int]] = set()
+    self.cold_programs: list[tuple[int, int]] = []
     self._closing = False
     # The batch being collected or generated.
     self._running: list[_Request] = []
@@ -140,6 +144,7 @@ class ChatBatcher:
     for k, (size, bucket) in enumerate(programs, 1):
       start = time.perf_counter()
       self.policy.engine.compile(size, bucket, self.max_new_tokens)
+      self.warmed.add((size, bucket))
       if progress is not None:
         progress(k, len(programs), size, bucket, time.perf_counter() - start)
 
@@ -189,6 +194,9 @@ class ChatBatcher:
     # first row (they cost one step and are dropped).
     pad = padded_batch_size(len(batch)) - len(batch)
     prompts = [r.prompt for r in batch]
+    self._note_cold_program(len(batch) + pad,
+                            bucket_length(max(map(len, prompts)),
+                                          self.policy.engine.buckets))
     # An engine without per-row stop tables decodes to each budget; the
     # text is cut all the same.
     row_stops = ([r.stop_tokens for r in batch] + [()] * pad
@@ -200,6 +208,18 @@ class ChatBatcher:
         [r.top_p for r in batch] + [1.0] * pad, self.max_new_tokens,
         [r.max_tokens for r in batch] + [1] * pad,
         row_stops=row_stops)
+
+  def _note_cold_program(self, size: int, bucket: int) -> None:
+    """Says so when a request runs a program the warm-up did not build: it
+    waits for a compile (or a cache load), once per program."""
+    if (size, bucket) in self.warmed:
+      return
+    self.warmed.add((size, bucket))
+    self.cold_programs.append((size, bucket))
+    logging.warning(
+        "batch %d, prompt bucket %d was not warmed up: this request waits "
+        "for its program (add its length to serve.warm_up_prompt_tokens)",
+        size, bucket)
 
   def _run(self, batch: list[_Request]) -> None:
     if self._closing:  # Closed while this batch was collected.

@@ -587,32 +587,43 @@ def test_our_evaluation_against_our_server_with_the_cpu_defaults(
 
 
 def test_warm_up_compiles_without_generating_and_requests_never_compile(
-    compiles):
-  """Warm-up builds every (batch, prompt bucket) program from abstract
-  shapes, reporting each: nothing generated, no KV cache allocated; then
-  requests of every shape run those programs, compiling nothing."""
+    compiles, caplog):
+  """Warm-up builds every (batch, prompt bucket) program of the warm-up
+  lengths from abstract shapes, reporting each: nothing generated, no KV
+  cache allocated; then requests of those shapes run those programs,
+  compiling nothing. A request in a bucket the warm-up left out compiles
+  its program once, and the server says so (one warning, `cold_programs`)."""
   config = serve_config()
-  config.serve.update({"warm_up_prompt_tokens": (8, 100), "max_batch": 2,
+  config.serve.update({"warm_up_prompt_tokens": (8,), "max_batch": 2,
                        "embeddings": False})
   reported, called = [], threading.Event()
   with Server(config, progress=lambda *a: reported.append(a[:4]),
               on_ready=lambda url: (reported.append(url), called.set())
               ) as warmed:
     assert called.wait(300) and warmed.ready.is_set()
-    assert reported[:-1] == [(1, 4, 1, 64), (2, 4, 2, 64), (3, 4, 1, 128),
-                             (4, 4, 2, 128)]
+    assert reported[:-1] == [(1, 2, 1, 64), (2, 2, 2, 64)]
     assert reported[-1] == warmed.base_url
     assert not warmed.batcher.policy.engine._caches
     assert warmed.batcher.batches == []
     compiled = compiles.count
-    long = [{"role": "user", "content": "word " * 80}]  # Bucket 128.
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
       replies = list(pool.map(
           lambda m: post(warmed.base_url + "/chat/completions",
                          {"messages": m, "max_tokens": 4}),
-          [messages(0), messages(1), long, long]))
+          [messages(i) for i in range(4)]))
     assert [status for status, _ in replies] == [200] * 4
-    assert compiles.count == compiled
+    assert compiles.count == compiled and warmed.batcher.cold_programs == []
+    long = [{"role": "user", "content": "word " * 80}]  # Bucket 128.
+    for _ in range(2):
+      assert post(warmed.base_url + "/chat/completions",
+                  {"messages": long, "max_tokens": 4})[0] == 200
+    assert compiles.count > compiled
+    assert warmed.batcher.cold_programs == [(1, 128)]
+  warnings = [r.getMessage() for r in caplog.records
+              if "was not warmed up" in r.getMessage()]
+  assert warnings == ["batch 1, prompt bucket 128 was not warmed up: this "
+                      "request waits for its program (add its length to "
+                      "serve.warm_up_prompt_tokens)"]
 
 
 SHUTTING_DOWN = (503, {"error": {"message": "the server is shutting down; "
@@ -626,8 +637,8 @@ def test_serve_says_ready_when_healthy_and_drains_on_a_signal(signum):
   program, "ready" only once /health answers 200. Ctrl-C or SIGTERM with
   long generate calls in flight (32,000 tokens of the tiny model, 4
   requests, batches of 2): every request answered, 200 or a 503 once
-  `serve.shutdown_timeout_s` is over, and the process gone within
-  seconds, no traceback (before: one `CancelledError` traceback per
+  `serve.shutdown_timeout_s` is over, "server stopped" its last line, and
+  the process gone within seconds, no traceback (before: one `CancelledError` traceback per
   request)."""
   command = [
       sys.executable, "-m", "cmimem_jax.serve",
@@ -673,8 +684,7 @@ def test_serve_says_ready_when_healthy_and_drains_on_a_signal(signum):
   assert all(a == SHUTTING_DOWN or a[0] == 200 for a in answers), answers
   stderr = server.stderr.read()
   assert "Traceback" not in stderr and "Error" not in stderr, stderr
-  if signum == signal.SIGINT:
-    assert server.returncode == 0
-    assert server.stdout.read() == "server stopped\n"
-  else:  # uvicorn re-raises SIGTERM once drained: the signal's own exit.
-    assert server.returncode == -signal.SIGTERM
+  assert server.stdout.read() == "server stopped\n"
+  # Ctrl-C: 0; SIGTERM, re-raised once drained: the signal's own exit.
+  assert server.returncode == (0 if signum == signal.SIGINT
+                               else -signal.SIGTERM)
