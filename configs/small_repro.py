@@ -16,7 +16,7 @@ response grammar-constrained to valid DSL. Split (LoCoMo `locomo10.json`,
   responses up to 512 (early sessions; a step of two 2k-token rows takes
   25-75 s here). `sft.trim_retrieved` was decided on a validation
   conversation (conv-48, warm starts on conversations 0-6, before any
-  held-out score was read; results/trim_choice/): trimming the retrieved
+  held-out score was read; results/warm_start_trim_choice/): trimming the retrieved
   entries so that 171 of 187 trajectories fit gave a warm start that writes
   bare timestamps, context recall 0.005 against 0.126 without it
   (-0.120 [-0.168, -0.073]), so it stays off;
