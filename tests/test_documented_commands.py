@@ -139,13 +139,27 @@ COMMANDS: dict[str, str | NotRun] = {
     "--workdir=* --config.dataset.dialogues=*":
         "tests/test_build_memory.py::test_demo_cli_builds_saves_and_reports",
     "python -m tools.reproduce --config=configs/small_repro.py --workdir=*":
-        NotRun("1 h 38 min on 2 cores; its stages run one by one",
+        NotRun("hours on 2 cores (three GRPO arms in two seeds); the test "
+               "runs the command with its stages recorded, and its stages "
+               "one by one",
                ("tests/test_reproduce.py::"
+                "test_the_documented_commands_run_the_whole_recipe",
+                "tests/test_reproduce.py::"
                 "test_stages_run_once_in_order_and_resume",
                 "tests/test_reproduce.py::"
                 "test_report_is_written_from_what_has_been_evaluated",
                 "tests/task/test_warm_start.py::"
                 "test_sft_then_constrained_grpo_from_its_checkpoint")),
+    "python -m tools.reproduce --config=configs/small_repro.py --workdir=* "
+    "--config.repro.other_learning_rates=(3e-6,3e-5)":
+        NotRun("the recipe's arms at three learning rates in two seeds: "
+               "hours on 2 cores; the test runs the command with its "
+               "stages recorded, and the sweep's evaluation",
+               ("tests/test_reproduce.py::"
+                "test_the_documented_commands_run_the_whole_recipe",
+                "tests/test_reproduce.py::"
+                "test_an_arm_is_evaluated_from_the_rate_and_step_its_"
+                "validation_picks")),
     "python -m cmimem_jax.train --config=configs/qwen3_4b_h20_vllm.py "
     "--workdir=* --config.policy.path=* --config.dataset.path=* "
     "--config.encoder.endpoint.base_url=* --config.rl.snapshots=* "
