@@ -20,8 +20,10 @@ from configs import tiny
 def get_config():
   config = tiny.get_config()
   config.encoder.update({"kind": "minilm", "dim": 384})
-  # remat: without it the backward keeps every layer's attention
-  # probabilities (~26 GB for this batch); recomputing them costs ~1/3 more.
+  # remat: the backward recomputes each layer's activations instead of
+  # keeping every layer's attention probabilities for the whole batch
+  # (tens of GB at this batch); on CPU the recomputation is no slower
+  # than keeping them (BENCHMARKS.md "Rematerialisation on CPU").
   config.policy.update({"source": "gguf", "path": "", "tokenizer": "",
                         "remat": "full"})
   # One prompt bucket: every sampler and train-step shape compiles once.
@@ -35,16 +37,18 @@ def get_config():
                          "max_new_tokens": 80, "max_prompt_tokens": 768,
                          "buckets": (768,),
                          "constrained_dsl": True,
-                         # One step under 4 GiB of RSS also when the step is
-                         # compiled in the process (4.03 -> 3.98 GiB), for
-                         # +1.5-4 s of a ~55 s step (BENCHMARKS.md).
+                         # The decoding programs (unrolled over the layers on
+                         # CPU) are dropped before each update, the run's
+                         # peak of host memory, and loaded back from the
+                         # compilation cache for the next rollout
+                         # (BENCHMARKS.md "Train step memory", round six).
                          "release_programs_each_step": True})
-  # logprob_chunk: the learner's LM head + log-softmax run over 16
-  # completion columns at a time (`rows x 16 x 49152` f32, ~19 MB at 6
-  # rows; small_repro.py's 12 rows inherit it). At 256 the
-  # 80 columns were one chunk with 4-5 live `[rows, 80, V]` arrays; at 16
-  # one step's peak RSS falls ~0.1 GiB (5.52 -> 5.4 GiB at 4 sessions) at
-  # no visible step time (BENCHMARKS.md "Train step memory").
+  # logprob_chunk: the learner's LM head + log-softmax run over this many
+  # completion columns at a time, so a `[rows, chunk, V]` f32 block is the
+  # largest the head makes (16 of the 80 columns: `rows x 16 x 49152`;
+  # small_repro.py's rows inherit it); a smaller chunk lowers the step's
+  # peak host memory at the cost of more, smaller head passes
+  # (BENCHMARKS.md "Train step memory").
   config.rl.update({"max_steps": 3, "learning_rate": 1e-5,
                     "warmup_steps": 0, "logprob_chunk": 16})
   # The warm start `make demo` runs first (`python -m cmimem_jax.sft`):
@@ -52,15 +56,17 @@ def get_config():
   # sentences, `python -m tools.make_sft_data --teacher=extractive
   # --max_response_tokens=80`, the rollout budget above) to write entries
   # that carry the session's content; unaided it writes date fragments.
-  # Three steps of 4 (~40 s each here) take the response NLL from 0.9 to
-  # ~0.3. Prompts of the bundled sample are 0.50-0.58k tokens.
+  # Three steps of 4 trajectories are the demo's whole warm start
+  # (RESULTS.md has no claim on it; BENCHMARKS.md "Compiled programs
+  # across restarts" times `make demo`). `max_prompt_tokens` 640 holds
+  # every prompt of the bundled sample (0.50-0.58k tokens) in one bucket.
   config.sft = ml_collections.ConfigDict({
       "data": "", "batch_size": 4, "micro_batches": 1, "epochs": 1,
       "max_steps": 3, "learning_rate": 2e-4, "warmup_steps": 0,
       "weight_decay": 0.0, "grad_clip_norm": 1.0,
       "max_prompt_tokens": 640, "max_response_tokens": 80,
       "trim_retrieved": False, "buckets": (640,), "logprob_chunk": 128})
-  # One checkpoint per stage (params + AdamW state: 1.4 GB each); the
-  # demo resumes from it, and nothing selects among its steps.
+  # One checkpoint per stage (params + AdamW state of the 135M policy);
+  # the demo resumes from it, and nothing selects among its steps.
   config.checkpoint.keep = 1
   return config

@@ -4,8 +4,8 @@ stands on.
 `training()` is CMI-Mem's GRPO run (Tables 5-7, App. C-F) and
 `evaluation()` its evaluation protocol (§4, Alg. 2, Table 6), each a whole
 config (every field the entry points read), hardware-independent, with the
-documented departures of README's "Where the paper is silent or
-contradicts itself" table already applied. `qwen3_4b.py`, its hardware
+documented departures of docs/departures.md ("Where the paper is silent
+or contradicts itself") already applied. `qwen3_4b.py`, its hardware
 variants and `eval_qwen3_4b.py` build on these; the CPU and test configs
 (`tiny.py`, `eval_cpu.py`, ...) may build on them too and override what a
 CPU needs, never the reverse, so a setting chosen to make the test suite

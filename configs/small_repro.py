@@ -1,29 +1,41 @@
-"""A laptop-CPU reproduction of the whole recipe (round five: 1 h 38 min
-on 2 cores for every stage but the initial policy's evaluation, in
-stages that can run separately): warm start -> GRPO with the
-CMI+QA reward and with the QA reward alone -> evaluation of the initial,
-warm-started and both RL policies on LoCoMo conversations no training
-step saw.
+"""A laptop-CPU reproduction of the whole recipe, one command: warm start
+-> GRPO with the CMI+QA reward, the QA reward alone and the CMI reward
+alone, from the same warm start with the same budget, in two seeds ->
+evaluation of the initial, warm-started and RL policies on LoCoMo
+conversations no training step saw, with a report of paired differences
+(95 % bootstrap intervals) pooled over the seeds.
 
   python -m tools.reproduce --config=configs/small_repro.py --workdir=DIR
+
+A rerun resumes (finished stages are skipped). Where each stage runs:
+`tools/reproduce.py`'s docstring; what its runs measured, and how long
+they took: RESULTS.md.
 
 Models: SmolLM2-135M-Instruct (embedded GGUF) + all-MiniLM-L6-v2, every
 response grammar-constrained to valid DSL. Split (LoCoMo `locomo10.json`,
 10 conversations in file order):
 - warm start: the annotation teacher (observations / event summaries as
   DSL) on conversations 0-7 (`repro.teacher_dialogues`); 16 steps of 2
-  trajectories, the 45 of 217 with prompts up to 2,048 tokens and
-  responses up to 512 (early sessions; a step of two 2k-token rows takes
-  25-75 s here). `sft.trim_retrieved` was decided on a validation
-  conversation (conv-48, warm starts on conversations 0-6, before any
-  held-out score was read; results/trim_choice/): trimming the retrieved
-  entries so that 171 of 187 trajectories fit gave a warm start that writes
-  bare timestamps, context recall 0.005 against 0.126 without it
-  (-0.120 [-0.168, -0.073]), so it stays off;
-- GRPO, both arms: the bundled LongMemEval training sample (per-session
-  QA, the demo's data: LoCoMo has no single-session QA pairs to reward);
+  trajectories, those with prompts up to 2,048 tokens and responses up to
+  512 (the early sessions). `sft.trim_retrieved` (trimming the retrieved
+  entries until a prompt fits) is off: decided on a validation
+  conversation before any held-out score was read
+  (results/warm_start_trim_choice/, RESULTS.md);
+- GRPO, every arm: the bundled LongMemEval training sample (per-session
+  QA, the demo's data: LoCoMo has no single-session QA pairs to reward),
+  at `rl.learning_rate`, seed `seed` in DIR and each of
+  `repro.other_seeds` in DIR/seed<s>;
 - evaluation: conversations 8-9 (conv-49, conv-50), `method=policy`,
-  `context_recall`, evidence-turn recall (`repro.eval_dialogues`).
+  `context_recall`, evidence-turn recall (`repro.eval_dialogues`), at the
+  paper's LookupChunk budget and at `repro.equal_budget_chars`.
+
+The GRPO learning rate chosen on the validation curve (round five's
+sweep, RESULTS.md): `repro.other_learning_rates` runs every arm at those
+rates too (DIR/lr<rate>) and evaluates each arm from the rate its
+validation reward picks, never from the evaluation dialogues:
+
+  python -m tools.reproduce --config=configs/small_repro.py --workdir=DIR \
+      --config.repro.other_learning_rates="(3e-6,3e-5)"
 
 `python -m cmimem_jax.sft` and `python -m cmimem_jax.train` also accept
 this file on their own (set `--config.sft.data` for the former).
@@ -56,9 +68,9 @@ def get_config() -> ml_collections.ConfigDict:
   # r_QA during GRPO reads the retrieved memories alone (no LookupChunk;
   # the evaluation below keeps it). With LookupChunk any entry written
   # from the session brings back the session's turns, so the CPU proxy
-  # (`context_recall`) scored every rollout of a group alike: round two
-  # measured identical per-step QA means in both arms. Without it, r_QA
-  # is 1 only where the written memories carry the answer.
+  # (`context_recall`) scores every rollout of a group alike (RESULTS.md,
+  # round two). Without it, r_QA is 1 only where the written memories
+  # carry the answer.
   config.memory.source_chunks = False
   config.rl.update({"max_steps": 10, "validation_sessions": 2,
                     "eval_every": 2, "log_rollouts": True})
@@ -67,10 +79,15 @@ def get_config() -> ml_collections.ConfigDict:
   # evaluated at again (`eval_equal_budget`), besides the paper's 160,000:
   # about three LoCoMo sessions of source turns (fixed before any
   # evaluation at it was read).
+  # other_seeds: GRPO seeds besides `seed`, each from the same warm start
+  # (Table 3's arms need more than one to say anything).
+  # other_learning_rates: GRPO rates besides `rl.learning_rate`; with any,
+  # each arm is evaluated from the rate its validation curve picks.
   config.repro = ml_collections.ConfigDict({
       "locomo": "../shared/data/locomo/locomo10.json",
       "teacher_dialogues": "0:8", "eval_dialogues": "8:10",
-      "equal_budget_chars": 8000})
+      "equal_budget_chars": 8000, "other_seeds": (1,),
+      "other_learning_rates": ()})
   # The evaluation job's sections (`cmimem_jax.evaluate`), local builder.
   evaluation = eval_cpu.get_config()
   config.evaluation = evaluation

@@ -1,8 +1,9 @@
-"""Every command README.md's training, evaluation and serving sections and
-the configs' docstrings tell a user to type is run, as written, by a test
-or by the rehearsal (`tools/rehearse.py`), with only sizes, paths and
-endpoints changed; one that cannot run cheaply says why and what covers
-it (issue 44).
+"""Every command README.md, the guides under docs/ and the configs'
+docstrings tell a user to type is run, as written, by a test or by the
+rehearsal (`tools/rehearse.py`), with only sizes, paths and endpoints
+changed; one that cannot run cheaply says why and what covers it (issue
+44). README's quick start has its own test (its commands are documented
+ones), and its development block names the suite's own make targets.
 
 `COMMANDS` is the registry. A command is keyed by its words with the
 values of size, path and endpoint flags blanked (`--workdir=*`), so the
@@ -28,8 +29,11 @@ from cmimem_jax.testing.fake_openai import FakeOpenAI
 from tools import make_sft_data, rehearse
 
 REPO = rehearse.REPO
-README_SECTIONS = ("## Training", "## Evaluation",
-                   "## Serving, GPU / vLLM, and scale")
+# The documents whose ```bash blocks are read, every section but these
+# (README's): the quick start is checked below against the others; the
+# development block runs the suite itself (`make test`, the bench).
+DOCUMENTS = ("README.md", "docs/*.md")
+UNREAD_SECTIONS = ("## Quick start", "## Development")
 OPENINGS = ("python ", "make ", "pip ")
 # A flag's last dotted part decides what it is. Sizes: counts, token
 # lengths, slices, shapes; paths: inputs, outputs, checkpoints; endpoints:
@@ -56,7 +60,7 @@ class NotRun:
 _COVERED_BY_PARSING = "test_documented_configs_parse_and_validate"
 _TRAIN_CLI = "tests/test_train.py::test_cli_one_writer_sigint_resume_and_summary"
 COMMANDS: dict[str, str | NotRun] = {
-    # --- README "## Training" and the configs' docstrings ----------------
+    # --- README's recipe, docs/design.md, docs/tpu.md, the configs' ------
     "python -m cmimem_jax.train --config=configs/tiny.py --workdir=*":
         _TRAIN_CLI,
     "python -m cmimem_jax.train --config=configs/default.py --workdir=*":
@@ -139,13 +143,27 @@ COMMANDS: dict[str, str | NotRun] = {
     "--workdir=* --config.dataset.dialogues=*":
         "tests/test_build_memory.py::test_demo_cli_builds_saves_and_reports",
     "python -m tools.reproduce --config=configs/small_repro.py --workdir=*":
-        NotRun("1 h 38 min on 2 cores; its stages run one by one",
+        NotRun("hours on 2 cores (three GRPO arms in two seeds); the test "
+               "runs the command with its stages recorded, and its stages "
+               "one by one",
                ("tests/test_reproduce.py::"
+                "test_the_documented_commands_run_the_whole_recipe",
+                "tests/test_reproduce.py::"
                 "test_stages_run_once_in_order_and_resume",
                 "tests/test_reproduce.py::"
                 "test_report_is_written_from_what_has_been_evaluated",
                 "tests/task/test_warm_start.py::"
                 "test_sft_then_constrained_grpo_from_its_checkpoint")),
+    "python -m tools.reproduce --config=configs/small_repro.py --workdir=* "
+    "--config.repro.other_learning_rates=(3e-6,3e-5)":
+        NotRun("the recipe's arms at three learning rates in two seeds: "
+               "hours on 2 cores; the test runs the command with its "
+               "stages recorded, and the sweep's evaluation",
+               ("tests/test_reproduce.py::"
+                "test_the_documented_commands_run_the_whole_recipe",
+                "tests/test_reproduce.py::"
+                "test_an_arm_is_evaluated_from_the_rate_and_step_its_"
+                "validation_picks")),
     "python -m cmimem_jax.train --config=configs/qwen3_4b_h20_vllm.py "
     "--workdir=* --config.policy.path=* --config.dataset.path=* "
     "--config.encoder.endpoint.base_url=* --config.rl.snapshots=* "
@@ -159,7 +177,7 @@ COMMANDS: dict[str, str | NotRun] = {
                 "test_the_4b_hardware_configs_differ_only_in_hardware",
                 "tests/test_train.py::"
                 "test_vllm_engine_receives_the_restored_weights")),
-    # --- README "## Evaluation" and the configs' docstrings --------------
+    # --- README's recipe, docs/evaluation.md, the configs' docstrings -----
     "python -m cmimem_jax.evaluate --config=configs/eval_cpu.py --workdir=* "
     "--config.dataset.name=locomo --config.dataset.path=* "
     "--config.method=rag --config.rag_top_k=5 "
@@ -193,7 +211,7 @@ COMMANDS: dict[str, str | NotRun] = {
                 "tests/evaluation/test_evaluate.py::"
                 "test_prompting_method_builds_and_caches_banks")),
     "python -m tools.compare_paper --results=*": "rehearsal:compare_paper",
-    # --- README "## Serving, GPU / vLLM, and scale" ----------------------
+    # --- docs/serving.md, docs/tpu.md, docs/gpu.md -------------------------
     "python -m cmimem_jax.serve --config=configs/serve_cpu.py --port=*":
         "rehearsal:serve",
     "pip install -e .[gcs]":
@@ -221,22 +239,25 @@ COMMANDS: dict[str, str | NotRun] = {
 # --- extraction ---------------------------------------------------------------
 
 
-def readme_commands() -> list[tuple[str, list[str]]]:
-  """(where, words) of each command in README's ```bash blocks of the
-  training, evaluation and serving sections."""
-  with open(os.path.join(REPO, "README.md")) as f:
-    text = f.read()
+def document_commands() -> list[tuple[str, list[str]]]:
+  """(where, words) of each command in the ```bash blocks of README.md and
+  docs/*.md, every section but `UNREAD_SECTIONS`."""
+  paths = sorted({os.path.relpath(path, REPO) for pattern in DOCUMENTS
+                  for path in glob.glob(os.path.join(REPO, pattern))})
   found = []
-  for section in re.split(r"^(?=## )", text, flags=re.M):
-    if not section.startswith(README_SECTIONS):
-      continue
-    for block in re.findall(r"^```bash\n(.*?)^```", section,
-                            flags=re.M | re.S):
-      lines = block.splitlines()
-      for i, line in enumerate(lines):
-        if line.startswith(OPENINGS):
-          found.append(("README.md", rehearse.command_words(
-              rehearse.continued(lines, i)[0])))
+  for path in paths:
+    with open(os.path.join(REPO, path)) as f:
+      text = f.read()
+    for section in re.split(r"^(?=## )", text, flags=re.M):
+      if section.startswith(UNREAD_SECTIONS):
+        continue
+      for block in re.findall(r"^```bash\n(.*?)^```", section,
+                              flags=re.M | re.S):
+        lines = block.splitlines()
+        for i, line in enumerate(lines):
+          if line.startswith(OPENINGS):
+            found.append((path, rehearse.command_words(
+                rehearse.continued(lines, i)[0])))
   return found
 
 
@@ -271,7 +292,7 @@ def documented_commands() -> list[tuple[str, list[str]]]:
   configs = sorted(glob.glob(os.path.join(REPO, "configs", "*.py")) +
                    glob.glob(os.path.join(REPO, "configs", "ablations",
                                           "*.py")))
-  found = readme_commands()
+  found = document_commands()
   for path in configs:
     found += docstring_commands(os.path.relpath(path, REPO))
   return found
@@ -350,10 +371,11 @@ def test_every_documented_command_has_an_entry():
   scripts = sorted({key(w) for _, w in found
                     if w[0] == "python" and w[1] != "-m"})
   assert not scripts, f"run as `python -m`: {scripts}"
-  # Both places the README and the configs write commands are read.
+  # Every place the documents and the configs write commands is read.
   assert {where for where, _ in found} >= {
-      "README.md", "configs/eval_cpu.py", "configs/qwen3_4b_tpu.py",
-      "configs/ablations/__init__.py"}
+      "README.md", "docs/design.md", "docs/evaluation.md", "docs/tpu.md",
+      "docs/gpu.md", "docs/serving.md", "configs/eval_cpu.py",
+      "configs/qwen3_4b_tpu.py", "configs/ablations/__init__.py"}
 
 
 def test_the_quick_starts_commands_are_documented_ones():
@@ -490,7 +512,7 @@ def _parse(words: list[str]):
 
 @pytest.mark.slow
 def test_make_sft_data_commands(tmp_path):
-  """README's three teacher commands: LoCoMo annotations, a chat model
+  """docs/design.md's three teacher commands: LoCoMo annotations, a chat model
   (the scripted stand-in answers the policy prompt), the extractive
   teacher; one LoCoMo conversation each."""
   output = str(tmp_path / "sft.jsonl")
@@ -516,7 +538,7 @@ def test_make_sft_data_commands(tmp_path):
 
 @pytest.mark.slow
 def test_eval_cpu_commands(tmp_path):
-  """configs/eval_cpu.py's command and its three variants, and README's
+  """configs/eval_cpu.py's command and its three variants, and docs/evaluation.md's
   evaluation command, parsed as the entry point parses them and run in
   this process (one MiniLM load), a few questions each; the LLM variant
   against a loopback endpoint. The entry point as a process is the
@@ -548,7 +570,7 @@ def test_eval_cpu_commands(tmp_path):
           "workdir": str(tmp_path / str(n)), **sizes, **endpoints}))
       parsed = config.to_json_best_effort(sort_keys=True)
       if parsed in runs:
-        # README's command is the rag variant with eval_cpu.py's dataset
+        # docs/evaluation.md's command is the rag variant with eval_cpu.py's dataset
         # and judge written out: the same config, so the same run.
         continue
       runs.add(parsed)

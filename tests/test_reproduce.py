@@ -455,3 +455,62 @@ def test_an_arm_is_evaluated_from_the_rate_and_step_its_validation_picks(
          "CMI+QA 3e-05, QA only 3e-05" in text
   # The sweep's section starts after a blank line, not inside a table.
   assert "|\n\n## GRPO learning rate on the validation curve" in text
+
+
+def test_the_documented_commands_run_the_whole_recipe(tmp_path, monkeypatch):
+  """configs/small_repro.py's two commands, run as written (paths changed)
+  with `reproduce` recording its calls: every arm in two seeds from one
+  warm start, the learning-rate sweep when asked, each seed's arms
+  evaluated over its own sweep, and the report pooling the seeds."""
+  from cmimem_jax.testing import run_tool
+  from tests.test_documented_commands import REPO, documented_commands
+  calls = []
+  monkeypatch.setattr(reproduce, "reproduce", lambda config, workdir, stages,
+                      pool, reuse, command, sweep=(), compare="": calls.append(
+                          (os.path.relpath(workdir, tmp_path), config.seed,
+                           config.rl.learning_rate, tuple(stages),
+                           reuse and os.path.relpath(reuse, tmp_path),
+                           tuple(os.path.relpath(d, tmp_path) for d in sweep),
+                           tuple(os.path.relpath(d, tmp_path) for d in pool)))
+                      or "report")
+  written = [words for where, words in documented_commands()
+             if where == "configs/small_repro.py"
+             and words[2] == "tools.reproduce"]
+  assert len(written) == 2
+  rate = small_repro.get_config().rl.learning_rate
+  grpo = ("grpo", "grpo_qa_only", "grpo_cmi_only")
+  evaluations = ("eval_initial", "eval_warm_start", "eval_rl",
+                 "eval_rl_qa_only", "eval_rl_cmi_only", "eval_equal_budget",
+                 "report")
+  expected = {
+      0: [(".", 0, rate, ("teacher", "warm_start", *grpo), "", (), ()),
+          (".", 0, rate, evaluations, "", (), ()),
+          ("seed1", 1, rate, grpo, ".", (), ()),
+          ("seed1", 1, rate, evaluations, ".", (), ()),
+          (".", 0, rate, ("report",), "", (), ("seed1",))],
+      1: [(".", 0, rate, ("teacher", "warm_start", *grpo), "", (), ()),
+          ("lr3e-06", 0, 3e-6, grpo, ".", (), ()),
+          ("lr3e-05", 0, 3e-5, grpo, ".", (), ()),
+          (".", 0, rate, evaluations, "", ("lr3e-06", "lr3e-05"), ()),
+          ("seed1", 1, rate, grpo, ".", (), ()),
+          ("seed1/lr3e-06", 1, 3e-6, grpo, ".", (), ()),
+          ("seed1/lr3e-05", 1, 3e-5, grpo, ".", (), ()),
+          ("seed1", 1, rate, evaluations, ".",
+           ("seed1/lr3e-06", "seed1/lr3e-05"), ()),
+          (".", 0, rate, ("report",), "", ("lr3e-06", "lr3e-05"),
+           ("seed1",))]}
+  for n, words in enumerate(written):
+    calls.clear()
+    argv = [w.replace("--config=", f"--config={REPO}/", 1).replace(
+        "--workdir=DIR", f"--workdir={tmp_path}") for w in words[3:]]
+    run_tool(reproduce, argv)
+    assert calls == expected[n], words
+  # A listed stage runs in the named workdir alone, as before.
+  calls.clear()
+  run_tool(reproduce, [f"--config={REPO}/configs/small_repro.py",
+                       f"--workdir={tmp_path}", "--stages=grpo"])
+  assert calls == [(".", 0, rate, ("grpo",), "", (), ())]
+  config = small_repro.get_config()
+  config.repro.other_seeds = (0,)
+  with pytest.raises(app.UsageError, match="besides"):
+    reproduce.recipe_runs(config, str(tmp_path))

@@ -5,11 +5,18 @@ held-out evaluation of the initial, warm-started and the three RL
 policies, with results tables (paired 95% bootstrap intervals over
 questions) and plots.
 
-  python -m tools.reproduce --config=configs/small_repro.py --workdir=DIR \
-      [--stages=all]
+  python -m tools.reproduce --config=configs/small_repro.py --workdir=DIR
 
-Stages (`--stages`, comma-separated, in this order; `all`, or `evaluate`
-for every evaluation). A finished stage is recorded in
+Without `--stages` (or with `--stages=all`) and without `--reuse`,
+`--pool`, `--sweep`, `--compare`, it runs the config's whole recipe
+(`recipe_runs`): every stage in DIR; the GRPO arms again with each of
+`repro.other_seeds` in `DIR/seed<s>` and at each of
+`repro.other_learning_rates` in `DIR/lr<rate>` (per seed), all from DIR's
+warm start; each seed's arms evaluated from the rate its validation curve
+picks; `DIR/RESULTS.md` pooling the seeds. A rerun resumes it.
+
+Stages (`--stages`, comma-separated, in this order; `evaluate` for
+every evaluation) run in DIR alone. A finished stage is recorded in
 `DIR/stages.json` and skipped on a rerun; an interrupted one resumes
 from its checkpoints / written predictions, so a run can be spread over
 several invocations:
@@ -37,28 +44,21 @@ several invocations:
   retrieved lists and mean context size with degenerate policies flagged,
   the same at the common budget, the arms side by side, every stage's
   wall time) and `DIR/*.png`, from whatever has been evaluated so far.
-  With `--pool=DIR2,...` (the same config run with other seeds,
-  `--config.seed=1`), it adds each seed's differences and their
-  per-question average (`DIR/pooled_differences.json`).
 
-Another seed from the same warm start: `--config.seed=1 --workdir=DIR1
---reuse=DIR --pool=DIR` (the teacher data, warm start and the `initial`
-/ `warm_start` evaluations are taken from DIR, the rest runs in DIR1).
-
-The GRPO learning rate, chosen on the validation curve: run the arms
-with another rate from DIR's warm start (`--config.rl.learning_rate=3e-5
---workdir=DIR2 --reuse=DIR --stages=grpo,grpo_qa_only`), then
-`--workdir=DIR --stages=eval_rl,eval_rl_qa_only,report --sweep=DIR2,...`
-evaluates each arm from the rate its validation reward picks (at its
-best kept step) and reports each arm's validation reward per rate; the
-evaluation dialogues play no part in the choice. Every evaluation
-records the checkpoint it read (`eval/<policy>/evaluated.json`).
-Another seed at the rates picked there: each arm in the workdir of its
-rate (`--config.seed=1 --workdir=S1 --reuse=DIR --stages=grpo`, and
-`--config.rl.learning_rate=3e-5 --workdir=S1_lr3e-5 --reuse=DIR
---stages=grpo_qa_only`), then `--workdir=S1
---stages=eval_rl,eval_rl_qa_only,report --sweep=S1_lr3e-5 --pool=DIR`
-(RESULTS.md, round five).
+The recipe's parts by hand (what `recipe_runs` passes; earlier rounds'
+commands in RESULTS.md are written this way): `--reuse=DIR` takes DIR's
+teacher data, warm start and `initial` / `warm_start` evaluations (with
+another `--config.seed`, only GRPO and its evaluations then vary);
+`--sweep=DIR2,...` names workdirs whose arms ran at other
+`--config.rl.learning_rate`s from this one's warm start: each arm is
+evaluated from the rate its validation reward picks (at its best kept
+step), and the report tabulates and plots each arm's validation reward
+per rate (the evaluation dialogues play no part in the choice);
+`--pool=DIR1,...` adds each seed's differences and their per-question
+average (`DIR/pooled_differences.json`); `--compare=DIR2` pairs each
+policy evaluated in both workdirs (two settings on the same split).
+Every evaluation records the checkpoint it read
+(`eval/<policy>/evaluated.json`).
 """
 
 from __future__ import annotations
@@ -773,6 +773,79 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
   return text
 
 
+class Run(NamedTuple):
+  """One `reproduce` call of the recipe: its workdir, the config fields it
+  changes (`seed`, `rl.learning_rate`), its stages and the workdirs it
+  reuses, sweeps and pools (as `--reuse`, `--sweep`, `--pool`)."""
+  workdir: str
+  seed: int
+  learning_rate: float
+  stages: tuple[str, ...]
+  reuse: str = ""
+  sweep: tuple[str, ...] = ()
+  pool: tuple[str, ...] = ()
+
+
+GRPO_STAGES = tuple(arm.stage for arm in ARMS.values())
+
+
+def recipe_runs(config, workdir: str) -> list[Run]:
+  """The whole recipe as `reproduce` calls, in order: the seed-independent
+  stages and every arm in `workdir` (`seed`, `rl.learning_rate`); the arms
+  again at each of `repro.other_learning_rates` (`workdir/lr<rate>`) and
+  with each of `repro.other_seeds` (`workdir/seed<s>`, its rates in
+  `workdir/seed<s>/lr<rate>`), all from `workdir`'s warm start; each
+  seed's evaluations of the arms from the rate its own validation curve
+  picks; the report in `workdir`, pooling the other seeds."""
+  repro = config.repro
+  rates = [float(r) for r in repro.other_learning_rates]
+  seeds = [int(s) for s in repro.other_seeds]
+  if config.rl.learning_rate in rates or config.seed in seeds or len(
+      set(rates)) < len(rates) or len(set(seeds)) < len(seeds):
+    raise app.UsageError(
+        "repro.other_learning_rates / other_seeds list rates and seeds "
+        f"besides rl.learning_rate ({config.rl.learning_rate:g}) and seed "
+        f"({config.seed}), each once: {rates} / {seeds}")
+  evaluations = tuple(s for s in STAGES if s.startswith("eval_")
+                      and s != EQUAL_BUDGET)
+  runs, seed_dirs, sweeps = [], [], []
+  for seed in [config.seed, *seeds]:
+    base = workdir if seed == config.seed else os.path.join(
+        workdir, f"seed{seed}")
+    reuse = "" if base == workdir else workdir
+    swept = tuple(os.path.join(base, f"lr{rate:g}") for rate in rates)
+    first = ("teacher", "warm_start") if base == workdir else ()
+    runs.append(Run(base, seed, config.rl.learning_rate,
+                    (*first, *GRPO_STAGES), reuse))
+    runs += [Run(directory, seed, rate, GRPO_STAGES, workdir)
+             for directory, rate in zip(swept, rates)]
+    runs.append(Run(base, seed, config.rl.learning_rate,
+                    (*evaluations, EQUAL_BUDGET, "report"), reuse, swept))
+    seed_dirs.append(base)
+    sweeps.append(swept)
+  if seeds:  # The first seed's report again, now pooling the others'.
+    runs.append(Run(workdir, config.seed, config.rl.learning_rate,
+                    ("report",), sweep=sweeps[0], pool=tuple(seed_dirs[1:])))
+  return runs
+
+
+def run_recipe(config, workdir: str, command: str) -> str | None:
+  """Runs (or resumes: finished stages are skipped) `recipe_runs`;
+  returns the last report's text."""
+  text = None
+  for run in recipe_runs(config, workdir):
+    run_config = copy.deepcopy(config)
+    run_config.seed = run.seed
+    run_config.rl.learning_rate = run.learning_rate
+    print(f"recipe: {run.workdir} (seed {run.seed}, learning rate "
+          f"{run.learning_rate:g}): {', '.join(run.stages)}", flush=True)
+    text = reproduce(run_config, run.workdir, run.stages, run.pool,
+                     run.reuse, f"{command}  # {run.workdir}: seed "
+                     f"{run.seed}, rl.learning_rate {run.learning_rate:g}",
+                     run.sweep) or text
+  return text
+
+
 def _run_metrics(directory: str) -> list[dict]:
   """A training run's `metrics.jsonl` records ([] before it has run)."""
   if os.path.exists(os.path.join(directory, "metrics.jsonl")):
@@ -1025,12 +1098,14 @@ def main(argv: list[str]) -> None:
   if missing:
     raise app.UsageError(f"--pool / --reuse: not a workdir of this tool "
                          f"(no stages.json): {', '.join(missing)}")
-  text = reproduce(FLAGS.config, FLAGS.workdir,
-                   parse_stages(FLAGS.stages), FLAGS.pool,
-                   FLAGS.reuse,
-                   shlex.join(["python", "-m", "tools.reproduce",
-                               *sys.argv[1:]]),
-                   FLAGS.sweep, FLAGS.compare)
+  command = shlex.join(["python", "-m", "tools.reproduce", *sys.argv[1:]])
+  if FLAGS.stages == ["all"] and not any([FLAGS.pool, FLAGS.sweep,
+                                          FLAGS.reuse, FLAGS.compare]):
+    text = run_recipe(FLAGS.config, FLAGS.workdir, command)
+  else:
+    text = reproduce(FLAGS.config, FLAGS.workdir,
+                     parse_stages(FLAGS.stages), FLAGS.pool, FLAGS.reuse,
+                     command, FLAGS.sweep, FLAGS.compare)
   if text is not None:
     print(text)
 

@@ -2,7 +2,7 @@
 LoCoMo cases, and stores its thresholds in the calibration table.
 
   python -m tools.skip_calibration --config=configs/reward_study.py \
-      --output=results/skip_calibration/coverage [--choose=0:5 --check=5:7]
+      --output=results/semantic_skip_calibration/coverage_minilm [--choose=0:5 --check=5:7]
   python -m tools.skip_calibration --config=configs/qwen3_4b.py \
       --config.encoder.path=/ckpt/Qwen3-Embedding-0.6B \
       --locomo=../shared/data/locomo/locomo10.json \

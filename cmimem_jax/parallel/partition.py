@@ -28,11 +28,9 @@ Rules = Sequence[tuple[str, P]]
 # intermediate units, parameters are additionally split over `fsdp`. The
 # vocabulary is split over both (a vocabulary-parallel LM head, with the
 # `head_hidden` and `logits` activations below): no device gathers the
-# whole `[V, H]` head or forms its whole gradient. With the hidden size
-# split over `fsdp` instead, every device did: Qwen3-4B's v5p-8 train
-# step held 1.84 GiB of temporaries, 1.34 since, its rollout prefill
-# 1.45 GiB, 0.06 since (`tools/plan.py --topology=v5p-8 --layers=1
-# --length=128 --completion=32`).
+# whole `[V, H]` head or forms its whole gradient, as every device would
+# with the hidden size split over `fsdp` instead (what that costs on a
+# v5p-8: BENCHMARKS.md "Round four: a vocabulary-parallel LM head").
 QWEN3_RULES: Rules = (
     (r"^embed$", P(("tensor", "fsdp"), None)),       # [V, H]
     (r"^lm_head$", P(None, ("tensor", "fsdp"))),     # [H, V]

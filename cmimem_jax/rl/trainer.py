@@ -189,8 +189,8 @@ def _train_step(graphdef: nnx.GraphDef, config: TrainStepConfig, mesh: Mesh,
   # inputs it cannot merge with the real update below
   # (`optimization_barrier`), then applied under `cond`, each leaf in
   # place in its donated buffer. Selecting between whole new and old
-  # states instead kept a second params + optimizer state alive (0.73 GiB
-  # for SmolLM2-135M in float32).
+  # states instead would keep a second params + optimizer state alive
+  # through the step.
   probe_params, _, probe_updates = update(*jax.lax.optimization_barrier(
       (grads, opt_state, params)))
   finite = jnp.isfinite(stats["loss"]) & jnp.isfinite(grad_norm) & jnp.all(
@@ -224,10 +224,10 @@ def jit_train_step(graphdef: nnx.GraphDef, config: TrainStepConfig,
 
 
 # XLA:CPU's default scheduler orders a program for concurrency; its
-# memory-optimised one packs the train step's temporaries tighter (one
-# GRPO step of configs/default.py: 1.27 -> 1.08 GiB, about 5 % slower).
-# Host memory is what runs out on CPU. Set per program, not process-wide
-# (the sampler and the CMI kernel keep the default).
+# memory-optimised one packs the train step's temporaries tighter at a
+# little speed (BENCHMARKS.md "Train step memory", round six). Host memory
+# is what runs out on CPU. Set per program, not process-wide (the sampler
+# and the CMI kernel keep the default).
 _CPU_STEP_COMPILER_OPTIONS = {
     "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 

@@ -1,7 +1,7 @@
 """Table 9 "w. logprob": the App. E estimator (Listing 8 profiles written
 and scored under M_{t-1} and M_t by the frozen reference p_ref, the KL
-reference's initial weights, never the live policy: README "App. E
-p_ref")."""
+reference's initial weights, never the live policy: docs/departures.md,
+"App. E p_ref")."""
 
 import ml_collections
 

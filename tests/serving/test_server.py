@@ -553,7 +553,7 @@ def test_load_256_mixed_chats_with_idle_and_oversized_clients(server,
 @pytest.mark.slow
 def test_our_evaluation_against_our_server_with_the_cpu_defaults(
     locomo_path, tmp_path):
-  """The README's "local answer model / judge": `evaluate` with an LLM
+  """docs/serving.md's "local answer model / judge": `evaluate` with an LLM
   answer model and judge, both our server on `configs/serve_cpu.py` (the
   embedded SmolLM2), the CPU endpoint defaults of `configs/eval_cpu.py`:
   every question of a LoCoMo slice answered and judged, no call timing
