@@ -51,12 +51,25 @@ def finite_number(value: object, low: float = -math.inf,
           and math.isfinite(value) and low <= value <= high)
 
 
+class _NotSet:
+  """A field that is missing or of the wrong type while a section's rules
+  run (`Section.from_config`)."""
+
+  def __repr__(self) -> str:
+    return "NOT_SET"
+
+
+NOT_SET = _NotSet()
+
+
 def need(section: Any, key: str, ok: bool | Callable[[Any], bool],
          requirement: str) -> list[str]:
   """`["key=value: must be requirement"]` when `ok` (a bool, or a predicate
   of `section.key`) is false, else `[]`: one problem of a section's
   `invalid`."""
   value = getattr(section, key)
+  if value is NOT_SET:  # Reported as missing or mistyped already.
+    return []
   if callable(ok):
     try:
       ok = bool(ok(value))
@@ -193,14 +206,24 @@ def _build(cls: type[_S], section: Any, path: str,
       continue
     values[name] = _typed(section[name], hints[name], _key(path, name),
                           problems)
-  if structural or any(v is _INVALID for v in values.values()):
-    return None
-  # Every field is well typed: the section's own rules, on the instance
-  # (built without `__post_init__`, which would raise at the first). An
-  # instance that breaks them is still returned, so a section holding it
-  # checks its own rules too; the problems say it is invalid.
+  # The section's own rules, on an instance built without `__post_init__`
+  # (which would raise at the first): a rule of a missing or mistyped
+  # field (`NOT_SET`) is skipped (`need`), as is every rule after one that
+  # cannot compare them. An instance that breaks only rules is returned,
+  # so a section holding it checks its own rules too; the problems say it
+  # is invalid.
+  for name in fields:
+    if values.get(name, _INVALID) is _INVALID:
+      values[name] = NOT_SET
   built = unchecked(cls, **values)
-  problems.extend(_key(path, line) for line in built.invalid())
+  try:
+    for line in built.invalid():
+      problems.append(_key(path, line))
+  except (TypeError, AttributeError):
+    if not (structural or NOT_SET in values.values()):
+      raise
+  if structural or any(v is NOT_SET for v in values.values()):
+    return None
   return built
 
 
