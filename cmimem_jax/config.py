@@ -191,7 +191,8 @@ def _build(cls: type[_S], section: Any, path: str,
     for key in sorted(set(section.keys()) - set(fields)):
       near = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
       problems.append(f"{_key(path, key)}: unknown setting"
-                      + (f" (nearest known: {near[0]})" if near else ""))
+                      + (f" (nearest known: {_key(path, near[0])})"
+                         if near else ""))
       structural = True
   values = {}
   for name, field in fields.items():
