@@ -100,8 +100,9 @@ class Section:
 
   `SECTION` is the key of the section in the whole config; "" for fields
   read from the top level of the config (`seed`, `mesh`, `method`, ...:
-  no unknown-key check there, the top level holds every section). Built directly (`RewardConfig(alpha=2.0)`), a section raises
-  `ValueError` listing its `invalid` problems.
+  no unknown-key check there, the top level holds every section). Built
+  directly (`RewardConfig(alpha=2.0)`), a section raises `ValueError`
+  listing its `invalid` problems.
   """
 
   SECTION: ClassVar[str] = ""

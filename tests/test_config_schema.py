@@ -23,7 +23,7 @@ from cmimem_jax.task.loop import (TRAINING_SECTIONS, LoopState, RLConfig,
 from cmimem_jax.task.qa_reward import QAConfig
 from cmimem_jax.task.reward import RewardConfig
 from cmimem_jax.task.warm_start import SFT_SECTIONS, SFTConfig
-from configs import default, eval_cpu, tiny
+from configs import default, eval_cpu
 
 # (section type, dotted field, a bad value) for every section: one field
 # each, the value of the right type but out of range or not a choice.

@@ -638,8 +638,7 @@ def test_documented_configs_parse_and_validate(tmp_path, monkeypatch):
     used = ml_collections.ConfigDict({
         name: value for name, value in config.items()
         if name in {kind.SECTION for kind in sections}
-        or not isinstance(value,
-                                              ml_collections.ConfigDict)})
+        or not isinstance(value, ml_collections.ConfigDict)})
     config_file = next(w.partition("=")[2] for w in words
                        if w.startswith("--config="))
     devices = jax.local_devices()[:CONFIG_DEVICES.get(config_file, 1)]

@@ -15,7 +15,8 @@ from cmimem_jax.data.types import (NOT_ANSWERABLE, DatasetError, Dialogue,
                                    Question, Session, Turn)
 
 __all__ = [
-    "DatasetConfig", "DatasetError", "Dialogue", "LOADERS", "LONGMEMEVAL_SPLITS",
+    "DatasetConfig", "DatasetError", "Dialogue", "LOADERS",
+    "LONGMEMEVAL_SPLITS",
     "NOT_ANSWERABLE", "configured_split", "load_configured",
     "longmemeval_split_ids", "LOCOMO_CATEGORIES", "LONGMEMEVAL_TYPES",
     "Question", "Session", "Turn", "WorkdirBusy", "WorkdirLock",

@@ -15,7 +15,6 @@ own MERGE text).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from cmimem_jax.client import ChatModel, OpenAIClient
 from cmimem_jax.config import as_section

@@ -24,7 +24,8 @@ from cmimem_jax.rl.trainer import (Learner, OptimizerConfig, TrainStepConfig,
                                    accumulated_grads, make_optimizer)
 
 __all__ = [
-    "AGGREGATIONS", "OLD_LOGPROBS", "aggregation_scale", "CheckpointConfig", "Checkpointer",
+    "AGGREGATIONS", "OLD_LOGPROBS", "aggregation_scale", "CheckpointConfig",
+    "Checkpointer",
     "GRPOLossConfig", "GRPOStep", "IncrementalReward", "Learner", "RewardFn",
     "Rollouts",
     "RolloutSettings", "Scores", "StepResult", "MetricsWriter", "Objective",

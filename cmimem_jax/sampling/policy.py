@@ -55,8 +55,8 @@ class PolicyConfig(Section):
   path: str = ""             # gguf: "" = the embedded SmolLM2; hf: a folder.
   preset: str = ""           # random: the architecture (`models.preset`).
   seed: int = 0              # random: the weights' seed.
-  tokenizer: str = ""        # "": the checkpoint's own (`policy_tokenizer_path`).
-  init_checkpoint: str = ""  # A train / sft workdir whose weights replace these.
+  tokenizer: str = ""        # "": the checkpoint's own tokenizer.
+  init_checkpoint: str = ""  # A train / sft workdir's weights replace these.
   dtype: str = "float32"
   param_dtype: str = "float32"
   remat: str = "none"

@@ -52,7 +52,6 @@ from cmimem_jax.memory.builder import EDIT_COUNTERS, MemoryConfig
 from cmimem_jax.memory.compression import memory_editors
 from cmimem_jax.memory.dsl import response_regex
 from cmimem_jax.memory.prompt_builder import PolicyPrompter
-from cmimem_jax.models.attention import ATTENTION_IMPLS
 from cmimem_jax.models.host_memory import (release_free_heap,
                                           return_large_blocks)
 from cmimem_jax.models.qwen3.params import save_hf

@@ -7,7 +7,7 @@ import collections
 import concurrent.futures
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 

@@ -48,7 +48,8 @@ from cmimem_jax.memory.types import MemoryType, Operation
 from cmimem_jax.models.host_memory import return_large_blocks
 from cmimem_jax.parallel import MeshConfig, batch_divisor, make_mesh
 from cmimem_jax.rl.checkpoint import metrics_follow_checkpoints
-from cmimem_jax.rl import (CheckpointConfig, Checkpointer, Learner, MetricsWriter,
+from cmimem_jax.rl import (CheckpointConfig, Checkpointer, Learner,
+                           MetricsWriter,
                            OptimizerConfig, SFTLossConfig, StopSignals,
                            TrainStepConfig, supervised_batch)
 from cmimem_jax.sampling import (PolicyConfig, bucket_length, encode_chat,
