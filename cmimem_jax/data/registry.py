@@ -7,7 +7,7 @@ import functools
 import json
 import os
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from cmimem_jax.config import Section, location_problem, need
 from cmimem_jax.data.locomo import load_locomo
@@ -75,12 +75,12 @@ class DatasetConfig(Section):
       yield from need(self, key, lambda v: v >= 0, ">= 0")
 
 
-def configured_split(dataset: Any, job: str) -> str:
+def configured_split(dataset: DatasetConfig, job: str) -> str:
   """The split a `dataset` config section selects for `job`."""
   return getattr(dataset, "split", "") or default_split(dataset.name, job)
 
 
-def load_configured(dataset: Any, job: str) -> list[Dialogue]:
+def load_configured(dataset: DatasetConfig, job: str) -> list[Dialogue]:
   """The dialogues a `dataset` config section names (`name`, `path`,
   `split`) for `job` ("train", "evaluate", "build_memory")."""
   return load_dataset(dataset.name, dataset.path, configured_split(dataset, job))

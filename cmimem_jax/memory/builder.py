@@ -7,7 +7,7 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from cmimem_jax.config import (MEMORY_EDITORS, EndpointConfig, Section, need,
                                positive_int)
@@ -102,7 +102,7 @@ def count_model_edits(stats: collections.Counter[str],
 
 
 def build_bank(dialogue: Dialogue, encoder: Encoder, respond: Responder,
-               memory: Any, on_step: Callable[[BuildStep], None] | None = None,
+               memory: MemoryConfig, on_step: Callable[[BuildStep], None] | None = None,
                editors: MemoryEditors = MemoryEditors()
                ) -> tuple[MemoryBank, dict[str, int], list[BuildStep]]:
   """Runs `respond` over every session of `dialogue` from an empty bank.

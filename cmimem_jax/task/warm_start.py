@@ -40,7 +40,7 @@ from cmimem_jax.data.types import Dialogue, Session
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.evaluation.builders import policy_responder
 from cmimem_jax.memory.bank import MemoryBank
-from cmimem_jax.memory.builder import Responder, build_bank
+from cmimem_jax.memory.builder import MemoryConfig, Responder, build_bank
 from cmimem_jax.memory.dsl import ParsedResponse, render, rendered_response
 from cmimem_jax.memory.extractive import ResponseFits, extractive_operations
 from cmimem_jax.memory.prompt_builder import PolicyPrompter
@@ -74,7 +74,7 @@ def canonical_response(response: ParsedResponse) -> str:
 
 
 def trajectories(dialogue: Dialogue, encoder: Encoder, respond: Responder,
-                 memory: Any, top_k: int, source: str,
+                 memory: MemoryConfig, top_k: int, source: str,
                  fits: PromptFits | None = None
                  ) -> tuple[list[dict[str, Any]], int]:
   """Runs `respond` through `dialogue`'s sessions (each response applied
@@ -101,7 +101,7 @@ def trajectories(dialogue: Dialogue, encoder: Encoder, respond: Responder,
 
 def teacher_trajectories(dialogues: Iterable[Dialogue], encoder: Encoder,
                          responder: Callable[[Dialogue], Responder],
-                         memory: Any, top_k: int, source: str,
+                         memory: MemoryConfig, top_k: int, source: str,
                          fits: PromptFits | None = None
                          ) -> tuple[list[dict[str, Any]], int]:
   """`trajectories` of every dialogue, `responder(dialogue)` the teacher
@@ -117,7 +117,7 @@ def teacher_trajectories(dialogues: Iterable[Dialogue], encoder: Encoder,
 
 
 def annotation_trajectories(dialogues: Iterable[Dialogue], encoder: Encoder,
-                            memory: Any, top_k: int,
+                            memory: MemoryConfig, top_k: int,
                             fits: PromptFits | None = None
                             ) -> tuple[list[dict[str, Any]], int]:
   """Teacher = LoCoMo's observation / event_summary annotations."""
