@@ -1,11 +1,13 @@
 """Config validation shared by every entry point.
 
 Configs are `ml_collections.ConfigDict`s defined in `configs/*.py` and loaded
-with absl `config_flags` (`--config=configs/x.py --config.a.b=v`). The
-sections an entry point reads, and only those, are checked before anything
-is built or compiled (the shared sections here, the others by the package
-that owns them through `register_section`); all problems are reported
-together in one `ConfigError`.
+with absl `config_flags` (`--config=configs/x.py --config.a.b=v`). Each
+section has a typed, frozen dataclass (a `Section`) beside the code that
+reads it (`data.DatasetConfig`, `encoders.EncoderConfig`,
+`memory.builder.MemoryConfig`, `task.loop.RLConfig`, ...). An entry point
+passes the section types it reads, and only those, to `validate_config`
+before anything is built or compiled; it builds each one and reports every
+problem of all of them together in one `ConfigError`.
 """
 
 from __future__ import annotations
@@ -13,28 +15,337 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+import types
+import typing
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar, TypeVar
 
 import ml_collections
 
 from cmimem_jax import storage
 
 
-DATASETS = ("longmemeval", "locomo", "memoryagentbench")
-# "" = the job's default (`data.registry.default_split`); the others are
-# LongMemEval's official partitions.
-DATASET_SPLITS = ("", "all", "sft", "rl", "test")
-ENCODERS = ("hashing", "minilm", "qwen3_embedding", "openai")
-# The kinds that embed queries with `encoder.query_instruction`; the
-# others are symmetric and take none.
-INSTRUCTED_ENCODERS = ("qwen3_embedding", "openai")
+# Who compresses the core block / summarises MERGEs
+# (`memory.compression.memory_editors`).
+MEMORY_EDITORS = ("none", "policy", "answer")
+
+
+class ConfigError(ValueError):
+  """An invalid config; the message lists every problem found."""
+
+
+class MissingDependency(ImportError):
+  """An optional package that a chosen setting needs is not installed; the
+  message says which setting and ends with the install command."""
+
+
+def positive_int(value: object) -> bool:
+  """An int (not a bool) > 0."""
+  return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def finite_number(value: object, low: float = -math.inf,
+                  high: float = math.inf) -> bool:
+  """A finite int or float (not a bool) in [low, high]."""
+  return (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and low <= value <= high)
+
+
+class _NotSet:
+  """A field that is missing or of the wrong type while a section's rules
+  run (`Section.from_config`)."""
+
+  def __repr__(self) -> str:
+    return "NOT_SET"
+
+
+NOT_SET = _NotSet()
+
+
+def need(section: Any, key: str, ok: bool | Callable[[Any], bool],
+         requirement: str) -> list[str]:
+  """`["key=value: must be requirement"]` when `ok` (a bool, or a predicate
+  of `section.key`) is false, else `[]`: one problem of a section's
+  `invalid`."""
+  value = getattr(section, key)
+  if value is NOT_SET:  # Reported as missing or mistyped already.
+    return []
+  if callable(ok):
+    try:
+      ok = bool(ok(value))
+    except TypeError:
+      ok = False
+  return [] if ok else [f"{key}={value!r}: must be {requirement}"]
+
+
+def location_problem(path: str, value: str, requirement: str,
+                     directory: bool = False) -> str | None:
+  """Why `value` (config field `path`) names no existing file (or
+  `directory`), local or on object storage; None when it does."""
+  try:
+    target = storage.path(value)
+    ok = target.is_dir() if directory else target.exists()
+  except storage.StorageError as e:
+    return f"{path}: {e}"
+  return None if ok else f"{path}={value!r}: must be {requirement}"
+
+
+class Section:
+  """A config section as a typed, frozen dataclass (subclasses are
+  `@dataclasses.dataclass(frozen=True)`), built from its ml_collections
+  section by `from_config`, which collects every problem (unknown and
+  missing keys, wrong types, then the section's own `invalid` rules)
+  instead of raising at the first. A field without a default must be in
+  the config; one with a default may be left out.
+
+  `SECTION` is the key of the section in the whole config; "" for fields
+  read from the top level of the config (`seed`, `mesh`, `method`, ...:
+  no unknown-key check there, the top level holds every section). Built
+  directly (`RewardConfig(alpha=2.0)`), a section raises `ValueError`
+  listing its `invalid` problems.
+  """
+
+  SECTION: ClassVar[str] = ""
+
+  def __post_init__(self) -> None:
+    problems = list(self.invalid())
+    if problems:
+      raise ValueError("; ".join(problems))
+
+  def invalid(self) -> Iterator[str]:
+    """This section's range and cross-field problems, each starting with
+    the field it names (`"top_p=2: must be in (0, 1]"`); the caller adds
+    the section's path. Runs on well-typed values only."""
+    return iter(())
+
+  def invalid_with(self, sections: Sections) -> Iterator[str]:
+    """Rules between this section and others built beside it (whole dotted
+    paths); a rule whose other section was not asked for is skipped."""
+    del sections
+    return iter(())
+
+  @classmethod
+  def from_config(cls: type[_S], section: Any,
+                  problems: list[str] | None = None,
+                  path: str | None = None) -> _S | None:
+    """Builds the section from its ml_collections `section` (the whole
+    config for a top-level one).
+
+    Args:
+      section: the `ConfigDict` (any mapping).
+      problems: where problems go, one line each, naming `path.key`; None
+        raises `ConfigError` listing them instead.
+      path: the section's dotted path in the config (default `SECTION`).
+
+    Returns:
+      The section, or None where it had problems.
+    """
+    collected: list[str] = [] if problems is None else problems
+    before = len(collected)
+    built = _build(cls, section, cls.SECTION if path is None else path,
+                   collected)
+    if len(collected) > before:
+      if problems is None:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(collected))
+      return None
+    return built
+
+
+_S = TypeVar("_S", bound=Section)
+
+
+def as_section(kind: type[_S], section: Any, path: str | None = None) -> _S:
+  """`section` as a `kind`: itself when it already is one (what
+  `validate_config` built), else built from its ml_collections section
+  (raising `ConfigError` on a problem): a library function called with a
+  raw section (a test, a tool) reads the same typed fields."""
+  if isinstance(section, kind):
+    return section
+  return kind.from_config(section, path=path)
+
+
+def unchecked(cls: type[_S], **values: Any) -> _S:
+  """A `cls` of `values` built without `__post_init__` (which raises at
+  the first problem), so its `invalid` can list them all."""
+  built = object.__new__(cls)
+  for name, value in values.items():
+    object.__setattr__(built, name, value)
+  return built
+
+
+def _key(path: str, key: str) -> str:
+  return f"{path}.{key}" if path else key
+
+
+def _build(cls: type[_S], section: Any, path: str,
+           problems: list[str]) -> _S | None:
+  """`cls` from `section` without raising: its problems go to
+  `problems`."""
+  if not hasattr(section, "keys"):
+    problems.append(f"{path}={section!r}: must be a section")
+    return None
+  hints = typing.get_type_hints(cls)
+  structural = False  # An unknown or missing key: no rules can run.
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  if path:  # The top level holds every section: no unknown-key check.
+    import difflib
+    for key in sorted(set(section.keys()) - set(fields)):
+      near = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+      problems.append(f"{_key(path, key)}: unknown setting"
+                      + (f" (nearest known: {_key(path, near[0])})"
+                         if near else ""))
+      structural = True
+  values = {}
+  for name, field in fields.items():
+    if name not in section:
+      if (field.default is dataclasses.MISSING
+          and field.default_factory is dataclasses.MISSING):
+        problems.append(f"{_key(path, name)}: missing")
+        structural = True
+        continue
+      values[name] = (field.default if field.default is not dataclasses.MISSING
+                      else field.default_factory())
+      continue
+    values[name] = _typed(section[name], hints[name], _key(path, name),
+                          problems)
+  # The section's own rules, on an instance built without `__post_init__`
+  # (which would raise at the first): a rule of a missing or mistyped
+  # field (`NOT_SET`) is skipped (`need`), as is every rule after one that
+  # cannot compare them. An instance that breaks only rules is returned,
+  # so a section holding it checks its own rules too; the problems say it
+  # is invalid.
+  for name in fields:
+    if values.get(name, _INVALID) is _INVALID:
+      values[name] = NOT_SET
+  built = unchecked(cls, **values)
+  try:
+    for line in built.invalid():
+      problems.append(_key(path, line))
+  except (TypeError, AttributeError):
+    if not (structural or NOT_SET in values.values()):
+      raise
+  if structural or any(v is NOT_SET for v in values.values()):
+    return None
+  return built
+
+
+_INVALID = object()
+
+
+def _typed(value: Any, hint: Any, path: str, problems: list[str]) -> Any:
+  """`value` as the field type `hint` wants it (a list as a tuple, an int
+  as a float, a section as its dataclass), or `_INVALID` with a problem
+  added."""
+  origin, args = typing.get_origin(hint), typing.get_args(hint)
+  if origin in (typing.Union, types.UnionType):
+    if value is None and type(None) in args:
+      return None
+    (hint,) = [a for a in args if a is not type(None)]
+    return _typed(value, hint, path, problems)
+  if isinstance(hint, type) and issubclass(hint, Section):
+    built = _build(hint, value, path, problems)
+    return _INVALID if built is None else built
+  requirement = None
+  if hint is Any:
+    return value
+  if hint is bool:
+    ok, requirement = isinstance(value, bool), "True or False"
+  elif hint is int:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    requirement = "an integer"
+  elif hint is float:
+    ok, requirement = finite_number(value), "a finite number"
+    value = float(value) if ok else value
+  elif hint is str:
+    ok, requirement = isinstance(value, str), "a string"
+  elif origin is tuple:
+    item = args[0]
+    ok = isinstance(value, (tuple, list)) and all(
+        _typed(v, item, path, []) is not _INVALID for v in value)
+    requirement = f"a list of {_TYPE_NAMES.get(item, item)}"
+    if ok:
+      value = tuple(_typed(v, item, path, []) for v in value)
+  elif origin is dict or hint is dict:
+    ok, requirement = hasattr(value, "keys"), "a section"
+    value = dict(value) if ok else value
+  else:
+    raise TypeError(f"{path}: unsupported field type {hint!r}")
+  if not ok:
+    problems.append(f"{path}={value!r}: must be {requirement}")
+    return _INVALID
+  return value
+
+
+_TYPE_NAMES = {int: "integers", float: "finite numbers", str: "strings",
+               bool: "booleans"}
+
+
+class Sections:
+  """The typed sections of one config (`validate_config`'s result), by
+  type: `sections[RLConfig]`."""
+
+  def __init__(self, built: dict[type[Section], Section]):
+    self._built = built
+
+  def __getitem__(self, kind: type[_S]) -> _S:
+    return self._built[kind]  # type: ignore[return-value]
+
+  def get(self, kind: type[_S]) -> _S | None:
+    return self._built.get(kind)  # type: ignore[return-value]
+
+  def __contains__(self, kind: type[Section]) -> bool:
+    return kind in self._built
+
+
+def validate_config(config: ml_collections.ConfigDict,
+                    required: Sequence[type[Section]]) -> Sections:
+  """Builds the sections a caller reads, and only those, reporting every
+  problem of all of them in one `ConfigError`: a config file serves
+  several tools (`qwen3_4b.py`: `build_expert_states` and `train`), and a
+  field one tool never reads (`rl.snapshots` for `build_expert_states`)
+  must not stop it.
+
+  The callers pass the section types in (each defined beside the code that
+  reads it: `data.DatasetConfig`, `task.loop.RLConfig`, ...), so this
+  module, the lowest layer but storage, imports none of them and nothing
+  registers itself at import time: what a command validates is what its
+  own `required` names.
+
+  Args:
+    config: The loaded config.
+    required: The section types the caller reads; each must be present.
+
+  Returns:
+    The built sections (`sections[RLConfig]`).
+
+  Raises:
+    ConfigError: listing every problem, one per line.
+  """
+  problems: list[str] = []
+  built: dict[type[Section], Section] = {}
+  for kind in required:
+    if kind.SECTION and kind.SECTION not in config:
+      problems.append(f"{kind.SECTION}: missing section")
+      continue
+    section = config[kind.SECTION] if kind.SECTION else config
+    before = len(problems)
+    instance = _build(kind, section, kind.SECTION, problems)
+    if len(problems) == before:
+      built[kind] = instance
+  sections = Sections(built)
+  for instance in built.values():
+    problems.extend(instance.invalid_with(sections))
+  if problems:
+    raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+  return sections
 
 
 @dataclasses.dataclass(frozen=True)
-class EndpointConfig:
+class EndpointConfig(Section):
   """An OpenAI-compatible endpoint section. It lives with the config
   checks that read it; `cmimem_jax.client` re-exports it."""
+
+  SECTION: ClassVar[str] = "endpoint"  # Nested: `qa.answer`, ...
 
   base_url: str = "http://127.0.0.1:8000/v1"
   model: str = ""
@@ -47,212 +358,14 @@ class EndpointConfig:
   temperature: float = 0.0
   max_tokens: int = 512
 
-  @classmethod
-  def from_config(cls, section: Any) -> EndpointConfig:
-    """From an ml_collections section (unknown keys are an error)."""
-    values = dict(section)
-    unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
-    if unknown:
-      raise ValueError(f"unknown endpoint settings {sorted(unknown)}")
-    return cls(**values)
-
-
-class ConfigError(ValueError):
-  """An invalid config; the message lists every problem found."""
-
-
-class MissingDependency(ImportError):
-  """An optional package that a chosen setting needs is not installed; the
-  message says which setting and ends with the install command."""
-
-
-_MISSING = object()
-
-
-class _Checker:
-  """Collects problems instead of stopping at the first one."""
-
-  def __init__(self, config: ml_collections.ConfigDict):
-    self.config = config
-    self.problems: list[str] = []
-
-  def get(self, path: str) -> object:
-    node = self.config
-    for part in path.split("."):
-      if not hasattr(node, "keys") or part not in node:
-        return _MISSING
-      node = node[part]
-    return node
-
-  def check(self, path: str, predicate: Callable[[object], bool],
-            requirement: str) -> None:
-    value = self.get(path)
-    if value is _MISSING:
-      self.problems.append(f"{path}: missing")
-      return
-    try:
-      ok = predicate(value)
-    except TypeError:
-      ok = False
-    if not ok:
-      self.problems.append(f"{path}={value!r}: must be {requirement}")
-
-  def check_location(self, path: str, requirement: str,
-                     directory: bool = False) -> None:
-    """`path` names an existing file (or `directory`), local or on object
-    storage; a location that cannot be used says why."""
-    value = self.get(path)
-    if value is _MISSING:
-      self.problems.append(f"{path}: missing")
-      return
-    if not isinstance(value, str):
-      self.problems.append(f"{path}={value!r}: must be {requirement}")
-      return
-    try:
-      target = storage.path(value)
-      ok = target.is_dir() if directory else target.exists()
-    except storage.StorageError as e:
-      self.problems.append(f"{path}: {e}")
-      return
-    if not ok:
-      self.problems.append(f"{path}={value!r}: must be {requirement}")
-
-
-def _positive_int(value: object) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def finite_number(value: object, low: float = -math.inf,
-                  high: float = math.inf) -> bool:
-  """A finite int or float (not a bool) in [low, high]."""
-  return (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value) and low <= value <= high)
-
-
-def _fraction(value: object) -> bool:
-  return isinstance(value, (int, float)) and 0.0 < value <= 1.0
-
-
-def _check_dataset(c: _Checker) -> None:
-  c.check("dataset.name", lambda v: v in DATASETS, f"one of {DATASETS}")
-  c.check_location("dataset.path", "an existing file (see README for where "
-                   "the benchmarks live)")
-  if c.get("dataset.split") is not _MISSING:
-    c.check("dataset.split", lambda v: v in DATASET_SPLITS,
-            f"one of {DATASET_SPLITS} ('': the job's default)")
-    if c.get("dataset.split") not in ("", "all") and (
-        c.get("dataset.name") != "longmemeval"):
-      c.problems.append("dataset.split: only LongMemEval has splits")
-
-
-def _check_encoder(c: _Checker) -> None:
-  c.check("encoder.kind", lambda v: v in ENCODERS, f"one of {ENCODERS}")
-  instruction = c.get("encoder.query_instruction")
-  if instruction is not _MISSING and not isinstance(instruction, str):
-    c.problems.append("encoder.query_instruction must be a string")
-  elif instruction not in (_MISSING, "") and (
-      c.get("encoder.kind") not in INSTRUCTED_ENCODERS):
-    c.problems.append(
-        f"encoder.query_instruction is set, but encoder.kind="
-        f"{c.get('encoder.kind')!r} takes no instruction (only "
-        f"{INSTRUCTED_ENCODERS} do)")
-  if c.get("encoder.kind") in ("hashing", "openai"):
-    c.check("encoder.dim", _positive_int, "a positive integer")
-  elif c.get("encoder.kind") == "minilm":
-    # all-MiniLM-L6-v2's width: another would index and calibrate a
-    # vector size the model never produces.
-    dim = c.get("encoder.dim")
-    if dim not in (_MISSING, 384):
-      c.problems.append(f"encoder.dim={dim!r}: must be 384 (all-MiniLM-L6-v2's "
-                        "width) for encoder.kind='minilm'")
-  if c.get("encoder.kind") == "openai":
-    c.check("encoder.endpoint.base_url",
-            lambda v: isinstance(v, str) and v.startswith("http"),
-            "an http(s) URL")
-  elif c.get("encoder.kind") == "qwen3_embedding":
-    c.check("encoder.path", lambda v: isinstance(v, str) and os.path.isdir(v),
-            "a HF checkpoint folder")
-
-
-def _check_memory(c: _Checker) -> None:
-  c.check("memory.core_cap_chars", _positive_int, "a positive integer")
-  c.check("memory.compress_trigger", _fraction, "in (0, 1]")
-  c.check("memory.compress_target_chars", _positive_int, "a positive integer")
-  c.check("memory.build_top_k", _positive_int, "a positive integer")
-  c.check("memory.qa_top_k", _positive_int, "a positive integer")
-  c.check("memory.chunk_budget_chars",
-          lambda v: isinstance(v, int) and v >= 0, "a non-negative integer")
-  c.check("memory.source_chunks", lambda v: isinstance(v, bool),
-          "True or False")
-  c.check("memory.compressor", lambda v: v in MEMORY_EDITORS,
-          f"one of {MEMORY_EDITORS}")
-  merge_summarizers = MEMORY_EDITORS + ("external",)
-  c.check("memory.merge_summarizer", lambda v: v in merge_summarizers,
-          f"one of {merge_summarizers}")
-  if c.get("memory.merge_summarizer") == "external":
-    c.check("memory.summarizer_endpoint.base_url",
-            lambda v: isinstance(v, str) and v.startswith("http"),
-            "an http(s) URL")
-    c.check("memory.summarizer_endpoint.model",
-            lambda v: isinstance(v, str) and bool(v), "a model name")
-    try:
-      EndpointConfig.from_config(c.config.memory.summarizer_endpoint)
-    except (TypeError, ValueError) as e:
-      c.problems.append(f"memory.summarizer_endpoint: {e}")
-  for key in ("memory.compress_max_tokens", "memory.merge_max_tokens"):
-    c.check(key, _positive_int, "a positive integer (tokens)")
-  c.check("memory.update_match_threshold",
-          lambda v: isinstance(v, float) and -1.0 <= v <= 1.0, "in [-1, 1]")
-  memory = c.config.get("memory")
-  if memory is not None and {"compress_target_chars", "core_cap_chars"} <= set(
-      memory.keys()) and memory.compress_target_chars > memory.core_cap_chars:
-    c.problems.append("memory.compress_target_chars must not exceed "
-                      "memory.core_cap_chars")
-
-
-_SECTIONS: dict[str, Callable[[_Checker], None]] = {
-    "dataset": _check_dataset,
-    "encoder": _check_encoder,
-    "memory": _check_memory,
-}
-
-
-def register_section(name: str, check: Callable[[_Checker], None]) -> None:
-  """Adds the validator for a config section: each subsystem registers its
-  own when imported (`reward` by `cmi`, `rl` by `task.loop`, `judge` by
-  `evaluation.run`), so this module depends on none of them."""
-  _SECTIONS[name] = check
-
-
-def validate_config(config: ml_collections.ConfigDict,
-                    required: tuple[str, ...]) -> None:
-  """Checks the sections a caller reads, and only those: a config file
-  serves several tools (`qwen3_4b.py`: `build_expert_states` and
-  `train`), and a field one tool never reads (`rl.snapshots` for
-  `build_expert_states`) must not stop it.
-
-  Args:
-    config: The loaded config.
-    required: The sections the caller reads: each must be present, and
-      each one's registered checks run (a section without registered
-      checks is only required).
-
-  Raises:
-    ConfigError: listing every problem, one per line.
-  """
-  checker = _Checker(config)
-  for section in required:
-    if section not in config:
-      checker.problems.append(f"{section}: missing section")
-    elif section in _SECTIONS:
-      _SECTIONS[section](checker)
-  if checker.problems:
-    raise ConfigError("invalid config:\n  " + "\n  ".join(checker.problems))
-
-
-# Who compresses the core block / summarises MERGEs
-# (`memory.compression.memory_editors`).
-MEMORY_EDITORS = ("none", "policy", "answer")
+  def invalid(self) -> Iterator[str]:
+    yield from need(self, "base_url", lambda v: v.startswith("http"),
+                    "an http(s) URL")
+    for key in ("timeout_s", "backoff_s", "max_backoff_s", "temperature"):
+      yield from need(self, key, lambda v: v >= 0, ">= 0")
+    yield from need(self, "max_retries", lambda v: v >= 0, ">= 0")
+    for key in ("concurrency", "max_tokens"):
+      yield from need(self, key, positive_int, "a positive integer")
 
 
 def memory_defaults() -> ml_collections.ConfigDict:

@@ -1,17 +1,26 @@
+import dataclasses
 import importlib
 import pathlib
 import re
+from typing import ClassVar
 
 import ml_collections
 import numpy as np
 import pytest
 
-import cmimem_jax.task.loop  # noqa: F401 - registers every training section.
-from cmimem_jax.config import ConfigError, apply_overrides, validate_config
+from cmimem_jax.config import (ConfigError, Section, apply_overrides,
+                               validate_config)
 from cmimem_jax.data import bundled_path
 from cmimem_jax.encoders import instructed_query, make_encoder
 from cmimem_jax.evaluation.paper import paper_rows
-import cmimem_jax.evaluation.run  # noqa: F401 - registers the judge section.
+from cmimem_jax.evaluation.run import EVALUATION_SECTIONS
+from cmimem_jax.data import DatasetConfig
+from cmimem_jax.encoders import EncoderConfig
+from cmimem_jax.memory.builder import MemoryConfig
+from cmimem_jax.parallel import MeshConfig
+from cmimem_jax.task.loop import (TRAINING_SECTIONS, RLConfig,
+                                  RolloutConfig)
+from cmimem_jax.task.reward import RewardConfig
 from configs import (build_memory, eval_qwen3_4b, qwen3_4b, qwen3_4b_h20_vllm,
                      qwen3_4b_tpu)
 from tools import build_expert_states
@@ -20,7 +29,8 @@ from tools import build_expert_states
 def test_shipped_config_is_valid(locomo_path):
   config = build_memory.get_config()
   config.dataset.path = locomo_path
-  validate_config(config, required=("dataset", "encoder", "memory"))
+  validate_config(config, required=(DatasetConfig, EncoderConfig,
+                                    MemoryConfig))
 
 
 def test_every_problem_is_reported_at_once():
@@ -33,16 +43,22 @@ def test_every_problem_is_reported_at_once():
   config.memory.compress_target_chars = 9000
   del config.memory["qa_top_k"]
   config.reward.shaping = "cubic"
+
+  @dataclasses.dataclass(frozen=True)
+  class PolicyModel(Section):
+    SECTION: ClassVar[str] = "policy_model"
+
   with pytest.raises(ConfigError) as info:
-    validate_config(config, required=("dataset", "encoder", "memory",
-                                      "reward", "policy_model"))
+    validate_config(config, required=(DatasetConfig, EncoderConfig,
+                                      MemoryConfig, RewardConfig,
+                                      PolicyModel))
   message = str(info.value)
   for expected in ["dataset.name='squad'", "dataset.path='/nonexistent.json'",
                    "encoder.dim=0", "memory.compress_trigger=1.5",
                    "memory.qa_top_k: missing",
                    "compress_target_chars must not exceed",
                    "policy_model: missing section",
-                   "reward: shaping must be 'gaussian' or 'none'"]:
+                   "reward.shaping='cubic': must be 'gaussian' or 'none'"]:
     assert expected in message
 
 
@@ -51,16 +67,17 @@ def test_minilm_takes_only_its_own_width(locomo_path):
   config.dataset.path = locomo_path
   config.encoder.dim = 1024
   with pytest.raises(ConfigError, match=r"encoder.dim=1024: must be 384"):
-    validate_config(config, required=("encoder",))
+    validate_config(config, required=(EncoderConfig,))
 
 
 def test_only_the_named_sections_are_checked():
   config = build_memory.get_config()
   config.dataset.path = bundled_path()
   config.reward.shaping = "cubic"
-  validate_config(config, required=("dataset", "encoder", "memory"))
-  with pytest.raises(ConfigError, match="shaping must be"):
-    validate_config(config, required=("dataset", "reward"))
+  validate_config(config, required=(DatasetConfig, EncoderConfig,
+                                    MemoryConfig))
+  with pytest.raises(ConfigError, match="shaping='cubic': must be"):
+    validate_config(config, required=(DatasetConfig, RewardConfig))
 
 
 class _Validated(Exception):
@@ -187,18 +204,12 @@ def test_symmetric_encoders_refuse_an_instruction():
   config.dataset.path = bundled_path()
   config.encoder.query_instruction = "Find it"
   with pytest.raises(ConfigError, match="takes no instruction"):
-    validate_config(config, required=("encoder",))
+    validate_config(config, required=(EncoderConfig,))
 
 
 ABLATIONS = sorted(p.stem for p in (
     pathlib.Path(__file__).parent.parent / "configs" / "ablations").glob(
         "table*.py"))
-
-
-TRAINING_SECTIONS = ("dataset", "encoder", "memory", "reward", "policy",
-                     "rollout", "rl", "qa")
-EVALUATION_SECTIONS = ("dataset", "encoder", "memory", "judge", "answer",
-                       "builder")
 
 
 def _filled_evaluation(config, tmp_path):
@@ -269,7 +280,7 @@ def test_mesh_decoding_waves_must_split_evenly_over_the_batch_shards():
   config = qwen3_4b_tpu.get_config()
   config.mesh = "fsdp:8"
   config.rl.snapshots = "policy"
-  sections = ("rollout", "rl")
+  sections = (RolloutConfig, RLConfig, MeshConfig)
   validate_config(config, required=sections)  # 128 rows = 2 groups x 8.
   config.rollout.max_rows_per_wave = 96
   with pytest.raises(ConfigError, match=re.escape(

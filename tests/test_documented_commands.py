@@ -24,6 +24,13 @@ from dataclasses import dataclass
 import pytest
 
 from cmimem_jax.config import validate_config
+from cmimem_jax.data import DatasetConfig
+from cmimem_jax.encoders import EncoderConfig
+from cmimem_jax.evaluation.run import EVALUATION_SECTIONS
+from cmimem_jax.memory.builder import MemoryConfig
+from cmimem_jax.task.loop import TRAINING_SECTIONS
+from cmimem_jax.task.reward import RewardConfig
+from cmimem_jax.task.warm_start import SFT_SECTIONS
 from cmimem_jax.testing import run_tool, scripted_llm
 from cmimem_jax.testing.fake_openai import FakeOpenAI
 from tools import make_sft_data, rehearse
@@ -616,12 +623,11 @@ def _has(config, dotted: str) -> bool:
 # The sections each entry point validates (their `validate_config(...,
 # required=...)`); a command of another entry point is only parsed.
 ENTRY_SECTIONS = {
-    "cmimem_jax.train": ("dataset", "encoder", "memory", "reward", "policy",
-                         "rollout", "rl", "qa"),
-    "cmimem_jax.sft": ("policy", "sft"),
-    "cmimem_jax.evaluate": ("dataset", "encoder", "memory", "judge",
-                            "answer", "builder"),
-    "tools.reward_study": ("dataset", "encoder", "memory", "reward"),
+    "cmimem_jax.train": TRAINING_SECTIONS,
+    "cmimem_jax.sft": SFT_SECTIONS,
+    "cmimem_jax.evaluate": EVALUATION_SECTIONS,
+    "tools.reward_study": (DatasetConfig, EncoderConfig, MemoryConfig,
+                           RewardConfig),
 }
 # Devices of the machine a config is written for (else a one-CPU laptop).
 CONFIG_DEVICES = {"configs/qwen3_4b_h20_vllm.py": 8}
@@ -636,9 +642,6 @@ def test_documented_configs_parse_and_validate(tmp_path, monkeypatch):
   import jax
   import ml_collections
 
-  import cmimem_jax.evaluation.run  # noqa: F401 - registers sections
-  import cmimem_jax.task.loop  # noqa: F401
-  import cmimem_jax.task.warm_start  # noqa: F401
   fill = _fill(tmp_path)
   validated = 0
   for entry, how in COMMANDS.items():
@@ -656,8 +659,8 @@ def test_documented_configs_parse_and_validate(tmp_path, monkeypatch):
       continue
     used = ml_collections.ConfigDict({
         name: value for name, value in config.items()
-        if name in sections or not isinstance(value,
-                                              ml_collections.ConfigDict)})
+        if name in {kind.SECTION for kind in sections}
+        or not isinstance(value, ml_collections.ConfigDict)})
     config_file = next(w.partition("=")[2] for w in words
                        if w.startswith("--config="))
     devices = jax.local_devices()[:CONFIG_DEVICES.get(config_file, 1)]

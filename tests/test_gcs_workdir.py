@@ -20,7 +20,8 @@ from cmimem_jax import storage
 from cmimem_jax.config import apply_overrides
 from cmimem_jax.data import bundled_path
 from cmimem_jax.rl import Checkpointer, read_metrics, read_rollouts
-from cmimem_jax.task.loop import Trainer, plan_sessions, training_dialogues
+from cmimem_jax.task.loop import (RLConfig, Trainer, plan_sessions,
+                                  training_dialogues)
 from cmimem_jax.task.warm_start import run_sft, write_jsonl
 from cmimem_jax.testing import run_tool
 from configs import small_repro, tiny
@@ -86,7 +87,8 @@ def test_train_on_a_bucket_resumes_after_kill_9(gcs, tmp_path):
   assert [m["step"] for m in got] == [1, 2]
   config = tiny.get_config()
   dialogues = training_dialogues(config.dataset)
-  _, curriculum = plan_sessions(config, dialogues)
+  _, curriculum = plan_sessions(RLConfig.from_config(config.rl), config.seed,
+                                dialogues)
   assert [m["sessions"] for m in got] == [
       [f"{dialogues[r.dialogue].dialogue_id}/{r.session}"
        for r in curriculum.batch(step)] for step in range(2)]

@@ -18,10 +18,10 @@ import sys
 
 import pytest
 
-import cmimem_jax.task.loop  # noqa: F401 - registers the rollout/rl checks.
 import configs
 import configs.ablations
 from cmimem_jax.config import ConfigError, validate_config
+from cmimem_jax.task.loop import RolloutConfig
 from configs import eval_qwen3_4b, qwen3_4b, tiny
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -253,7 +253,7 @@ def test_validation_rejects_buckets_that_cannot_hold_a_prompt():
   config.rollout.buckets = (512,)
   with pytest.raises(ConfigError, match=r"rollout.buckets=\(512,\): the "
                      r"largest must hold rollout.max_prompt_tokens=1024"):
-    validate_config(config, required=("rollout", "rl"))
+    validate_config(config, required=(RolloutConfig,))
   config.rollout.buckets = (1024, 512)
   with pytest.raises(ConfigError, match="ascending"):
-    validate_config(config, required=("rollout", "rl"))
+    validate_config(config, required=(RolloutConfig,))

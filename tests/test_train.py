@@ -21,7 +21,8 @@ from cmimem_jax.rl import read_metrics, read_rollouts
 from cmimem_jax.sampling import EngineHooks
 from cmimem_jax.sampling.sampler import SampleOutput, bucket_length, left_pad
 from cmimem_jax.task.episode import apply_to_copy
-from cmimem_jax.task.loop import Trainer, plan_sessions, training_dialogues
+from cmimem_jax.task.loop import (RLConfig, Trainer, plan_sessions,
+                                  training_dialogues)
 from cmimem_jax.task.reward import RewardComputer, RewardConfig, RolloutInput
 from cmimem_jax.task.skip_table import calibrated
 from configs import tiny
@@ -212,7 +213,7 @@ def test_crash_between_checkpoints_then_resume_with_a_snapshot_refresh(
   step = first.step
 
   def killed_at_step_4():
-    if first.loop["step"] == 3:
+    if first.loop.step == 3:
       raise RuntimeError("killed")
     return step()
 
@@ -235,7 +236,7 @@ def test_crash_between_checkpoints_then_resume_with_a_snapshot_refresh(
       step for step in (1, 2, 3) for _ in range(rows_per_step)]
 
   resumed = Trainer(tiny_config(**overrides), str(tmp_path))
-  assert resumed.resumed_from == 2 and resumed.loop["step"] == 2
+  assert resumed.resumed_from == 2 and resumed.loop.step == 2
   assert resumed.validation == first.validation
   resumed.run()
   metrics = read_metrics(str(tmp_path))
@@ -455,7 +456,8 @@ def test_cli_one_writer_sigint_resume_and_summary(tmp_path):
   assert got[:stopped_at] == logged_before
   config = tiny_config()
   dialogues = training_dialogues(config.dataset)
-  _, curriculum = plan_sessions(config, dialogues)
+  _, curriculum = plan_sessions(RLConfig.from_config(config.rl), config.seed,
+                                dialogues)
   assert [m["sessions"] for m in got] == [
       [f"{dialogues[r.dialogue].dialogue_id}/{r.session}"
        for r in curriculum.batch(step)] for step in range(3)]

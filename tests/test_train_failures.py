@@ -21,7 +21,7 @@ from cmimem_jax.config import CallsFailed
 from cmimem_jax.rl import read_metrics
 from cmimem_jax.rl.checkpoint import CheckpointNotSaved
 from cmimem_jax.task.loop import Trainer
-from cmimem_jax.task.qa_reward import PendingQA
+from cmimem_jax.task.qa_reward import PendingQA, QAConfig
 
 from full_disk import assert_full_disk_line, fail_writes_of  # noqa: I100
 from test_train import ScriptedEngine, tiny_config
@@ -67,7 +67,7 @@ def test_failed_qa_calls_stop_the_step_before_its_update(trainer):
       trainer.step()
   finally:
     trainer.qa = qa
-  assert trainer.loop["step"] == 0
+  assert trainer.loop.step == 0
   jax.tree.map(np.testing.assert_array_equal, params,
                jax.tree.map(np.asarray, trainer.learner.params))
 
@@ -98,7 +98,7 @@ def test_the_qa_gate_counts_the_questions_of_valid_rollouts():
   config = tiny_config(**{"qa.max_failure_rate": 0.3})
   stub = types.SimpleNamespace(
       qa=types.SimpleNamespace(failures=collections.Counter(judge=2)),
-      config=config, group=2)
+      qa_config=QAConfig.from_config(config.qa), group=2)
   # 2 + 3 + 3 = 8 questions asked; 2 failed (25 %) pass at 30 %.
   Trainer._check_qa_failures(stub, 1, episodes, terms, 0)
   stub.qa.failures["answer"] += 1

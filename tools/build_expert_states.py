@@ -37,10 +37,12 @@ from absl import app, flags
 from cmimem_jax.client import EndpointConfig, OpenAIClient
 from cmimem_jax.config import (check_failures, define_command_line_flags,
                                run_command, validate_config)
-from cmimem_jax.encoders import encoder_identity, make_encoder
+from cmimem_jax.data import DatasetConfig
+from cmimem_jax.encoders import EncoderConfig, encoder_identity, make_encoder
 from cmimem_jax.evaluation.builders import agents_responder, policy_responder
+from cmimem_jax.memory.builder import MemoryConfig
 from cmimem_jax.memory.compression import memory_editors
-from cmimem_jax.task.loop import training_dialogues
+from cmimem_jax.task.loop import RolloutConfig, training_dialogues
 from cmimem_jax.task.snapshots import build_expert_snapshots
 
 FORMATS = ("agents", "dsl")
@@ -81,14 +83,14 @@ def build(config, output: str, teacher, teacher_name: str,
   dialogues in `output` with the `teacher` ChatModel; returns the counts."""
   # What this tool reads (the config also holds a trainer's sections, e.g.
   # rl.snapshots, which names this tool's output).
-  validate_config(config, required=("dataset", "encoder", "memory",
-                                    "rollout"))
+  sections = validate_config(config, required=(
+      DatasetConfig, EncoderConfig, MemoryConfig, RolloutConfig))
   if answer_format not in FORMATS:
     raise ValueError(f"format must be one of {FORMATS}")
-  encoder = make_encoder(config.encoder)
-  dialogues = training_dialogues(config.dataset)
+  encoder = make_encoder(sections[EncoderConfig])
+  dialogues = training_dialogues(sections[DatasetConfig])
   failures: collections.Counter[str] = collections.Counter()
-  top_k = config.rollout.retrieval_top_k
+  top_k = sections[RolloutConfig].retrieval_top_k
   respond = (agents_responder(teacher, encoder, top_k,
                               config.memory.core_cap_chars, failures,
                               raise_on_failure=True)

@@ -182,7 +182,8 @@ def check_grpo_step(small: bool) -> dict:
   from cmimem_jax.rl import Scores
   from cmimem_jax.sampling import load_tokenizer
   from cmimem_jax.sampling.policy import random_policy_config
-  from cmimem_jax.task.loop import grpo_step
+  from cmimem_jax.config import validate_config
+  from cmimem_jax.task.loop import GRPO_STEP_SECTIONS, grpo_step
   from configs import qwen3_4b_tpu, tiny
   devices = len(jax.devices())
   config = (tiny if small else qwen3_4b_tpu).get_config()
@@ -199,7 +200,9 @@ def check_grpo_step(small: bool) -> dict:
   tokenizer = load_tokenizer("")
   model = Qwen3(random_policy_config(config.policy, len(tokenizer)),
                 rngs=nnx.Rngs(0))
-  step = grpo_step(config, model, tokenizer, make_mesh(config.mesh))
+  config.rl.snapshots = "policy"  # No snapshots are loaded here.
+  step = grpo_step(validate_config(config, GRPO_STEP_SECTIONS), model,
+                   tokenizer, make_mesh(config.mesh))
   rng = np.random.default_rng(0)
   prompts = rng.integers(1, len(tokenizer), (devices, prompt)).tolist()
 

@@ -117,7 +117,8 @@ import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
-from cmimem_jax.config import define_command_line_flags, run_command
+from cmimem_jax.config import (define_command_line_flags, run_command,
+                               validate_config)
 from cmimem_jax.task.scoring_rounds import (endpoint_concurrency,
                                             endpoint_rounds,
                                             scoring_after_decoding)
@@ -755,7 +756,7 @@ def trainer_step(config, mesh, preset_name: str = "", checkpoint: str = "",
   from cmimem_jax.models.qwen3 import Qwen3Config, preset
   from cmimem_jax.models.qwen3.params import abstract_model
   from cmimem_jax.sampling.policy import policy_runtime, random_policy_config
-  from cmimem_jax.task.loop import grpo_step
+  from cmimem_jax.task.loop import GRPO_STEP_SECTIONS, grpo_step
   config = config.copy_and_resolve_references()
   policy = config.policy
   runtime = policy_runtime(policy)
@@ -781,7 +782,10 @@ def trainer_step(config, mesh, preset_name: str = "", checkpoint: str = "",
   if random:
     model_config = random_policy_config(policy, len(tokenizer), **(
         {"num_hidden_layers": layers} if layers else {}))
-  step = grpo_step(config, abstract_model(model_config), tokenizer, mesh)
+  # The plan loads no snapshots: their directory need not exist here.
+  config.rl.snapshots = "policy"
+  sections = validate_config(config, GRPO_STEP_SECTIONS)
+  step = grpo_step(sections, abstract_model(model_config), tokenizer, mesh)
   return step, model_config, notes
 
 

@@ -38,25 +38,29 @@ not about this session). `DIR/study.json`,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
+from collections.abc import Iterator
+from typing import ClassVar
 
 import numpy as np
 from absl import flags, logging
 
-from cmimem_jax.config import (define_command_line_flags, run_command,
+from cmimem_jax.config import (Section, define_command_line_flags, need,
+                               positive_int, run_command,
                                validate_config)
-from cmimem_jax.data import Dialogue, load_dataset
+from cmimem_jax.data import DatasetConfig, Dialogue, load_dataset
 from cmimem_jax.data.files import write_atomic, write_figure, write_json
-from cmimem_jax.encoders import make_encoder
+from cmimem_jax.encoders import EncoderConfig, make_encoder
 from cmimem_jax.evaluation.compare import auc, spearman
 from cmimem_jax.evaluation.judges import context_recall
 from cmimem_jax.evaluation.metrics import bootstrap_interval
 from cmimem_jax.memory import MemoryBank
 from cmimem_jax.memory.annotations import locomo_annotation_operations
 from cmimem_jax.memory.bank import embed_texts
-from cmimem_jax.memory.builder import build_bank
+from cmimem_jax.memory.builder import MemoryConfig, build_bank
 from cmimem_jax.memory.types import ENTRY_TYPES, Action, MemoryType, Operation
 from cmimem_jax.task.build_memory import annotation_responder
 from cmimem_jax.task.reward import (RewardComputer, RewardConfig,
@@ -319,11 +323,25 @@ def plot(records: list[dict], path: str) -> None:
   plt.close(fig)
 
 
+@dataclasses.dataclass(frozen=True)
+class StudyConfig(Section):
+  """The `study` section of `configs/reward_study.py`."""
+
+  SECTION: ClassVar[str] = "study"
+
+  conversations: str  # LoCoMo conversations "FIRST:LAST" (Python slice).
+  per_class: int      # Responses drawn per class and session.
+  seed: int
+
+  def invalid(self) -> Iterator[str]:
+    yield from need(self, "per_class", positive_int, "a positive integer")
+
+
 def run(config, output: str) -> dict:
   """The study; writes `output/study.{json,md,png}` and returns the
   summary."""
-  validate_config(config, required=("dataset", "encoder", "memory",
-                                    "reward", "study"))
+  validate_config(config, required=(DatasetConfig, EncoderConfig,
+                                    MemoryConfig, RewardConfig, StudyConfig))
   start = time.perf_counter()
   dialogues = load_dataset("locomo", config.dataset.path)
   first, _, last = config.study.conversations.partition(":")

@@ -72,11 +72,11 @@ from cmimem_jax.config import (define_command_line_flags, run_command,
 from cmimem_jax.data import Dialogue, load_dataset
 from cmimem_jax.data.files import write_atomic, write_json
 from cmimem_jax.data.fragments import user_statements
-from cmimem_jax.encoders import encoder_identity, make_encoder
+from cmimem_jax.encoders import EncoderConfig, encoder_identity, make_encoder
 from cmimem_jax.evaluation.compare import auc
 from cmimem_jax.memory import MemoryBank, parse
 from cmimem_jax.memory.apply import apply_operations
-from cmimem_jax.memory.builder import build_bank
+from cmimem_jax.memory.builder import MemoryConfig, build_bank
 from cmimem_jax.memory.types import Action, MemoryType, Operation
 from cmimem_jax.task.build_memory import annotation_responder
 from cmimem_jax.task.reward import (RewardComputer, RewardConfig,
@@ -318,7 +318,8 @@ def run(config, output: str, choose: str, check: str, locomo: str = "",
   if any(i >= FIRST_HELD_OUT for r in splits.values() for i in r):
     raise ValueError(f"conversations >= {FIRST_HELD_OUT} are validation or "
                      "evaluation data: calibrate on training conversations")
-  validate_config(config, required=("encoder", "memory", "reward"))
+  validate_config(config, required=(EncoderConfig, MemoryConfig,
+                                    RewardConfig))
   if not locomo:
     if config.get("dataset", {}).get("name") != "locomo":
       raise ValueError("--locomo=FILE is required: this config's dataset "

@@ -13,13 +13,17 @@ operation of a batch.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
+from cmimem_jax.config import Section, need
+
 
 @dataclasses.dataclass(frozen=True)
-class ConditioningConfig:
+class ConditioningConfig(Section):
   """App. F / Table 7 knobs. Other published counts (15 recent + 5 similar,
   3 + 5) are reachable by changing `top_k` and `n_recent`."""
   top_k: int = 8
@@ -27,6 +31,12 @@ class ConditioningConfig:
   w_context: float = 0.5
   w_new: float = 0.5
   w_old: float = 0.3
+
+  SECTION: ClassVar[str] = "reward.conditioning"
+
+  def invalid(self) -> Iterator[str]:
+    yield from need(self, "top_k", lambda v: v >= 1, ">= 1")
+    yield from need(self, "n_recent", lambda v: v >= 0, ">= 0")
 
   @property
   def size(self) -> int:

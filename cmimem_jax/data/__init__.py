@@ -6,7 +6,8 @@ from cmimem_jax.data.files import (WorkdirBusy, WorkdirLock, path_under,
 from cmimem_jax.data.locomo import LOCOMO_CATEGORIES, load_locomo
 from cmimem_jax.data.longmemeval import LONGMEMEVAL_TYPES, load_longmemeval
 from cmimem_jax.data.memoryagentbench import chunk_text, load_memoryagentbench
-from cmimem_jax.data.registry import (LOADERS, LONGMEMEVAL_SPLITS, bundled_path,
+from cmimem_jax.data.registry import (LOADERS, LONGMEMEVAL_SPLITS,
+                                      DatasetConfig, bundled_path,
                                       configured_split, load_configured,
                                       load_dataset, longmemeval_split_ids)
 from cmimem_jax.data.schema import parse_date
@@ -14,7 +15,8 @@ from cmimem_jax.data.types import (NOT_ANSWERABLE, DatasetError, Dialogue,
                                    Question, Session, Turn)
 
 __all__ = [
-    "DatasetError", "Dialogue", "LOADERS", "LONGMEMEVAL_SPLITS",
+    "DatasetConfig", "DatasetError", "Dialogue", "LOADERS",
+    "LONGMEMEVAL_SPLITS",
     "NOT_ANSWERABLE", "configured_split", "load_configured",
     "longmemeval_split_ids", "LOCOMO_CATEGORIES", "LONGMEMEVAL_TYPES",
     "Question", "Session", "Turn", "WorkdirBusy", "WorkdirLock",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
-from typing import Any
+from collections.abc import Iterator
+from typing import ClassVar
 
+from cmimem_jax.config import Section, location_problem, need
 from cmimem_jax.data.locomo import load_locomo
 from cmimem_jax.data.longmemeval import load_longmemeval
 from cmimem_jax.data.memoryagentbench import load_memoryagentbench
@@ -40,12 +43,44 @@ def default_split(name: str, job: str) -> str:
   return "test" if name == "longmemeval" and job == "evaluate" else "all"
 
 
-def configured_split(dataset: Any, job: str) -> str:
+# "" = the job's default (`default_split`); the others are LongMemEval's
+# official partitions.
+DATASET_SPLITS = ("", "all") + LONGMEMEVAL_SPLITS
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetConfig(Section):
+  """The `dataset` section: which benchmark file a job reads."""
+
+  SECTION: ClassVar[str] = "dataset"
+
+  name: str
+  path: str
+  split: str = ""     # One of DATASET_SPLITS ("": the job's default).
+  dialogues: int = 0  # The first N dialogues (0: all).
+  start: int = 0      # Evaluation: skip the first N dialogues.
+
+  def invalid(self) -> Iterator[str]:
+    yield from need(self, "name", lambda v: v in LOADERS,
+                    f"one of {tuple(LOADERS)}")
+    problem = location_problem("path", self.path, "an existing file (see "
+                               "README for where the benchmarks live)")
+    if problem:
+      yield problem
+    yield from need(self, "split", lambda v: v in DATASET_SPLITS,
+                    f"one of {DATASET_SPLITS} ('': the job's default)")
+    if self.split not in ("", "all") and self.name != "longmemeval":
+      yield f"split={self.split!r}: only LongMemEval has splits"
+    for key in ("dialogues", "start"):
+      yield from need(self, key, lambda v: v >= 0, ">= 0")
+
+
+def configured_split(dataset: DatasetConfig, job: str) -> str:
   """The split a `dataset` config section selects for `job`."""
-  return dataset.get("split", "") or default_split(dataset.name, job)
+  return getattr(dataset, "split", "") or default_split(dataset.name, job)
 
 
-def load_configured(dataset: Any, job: str) -> list[Dialogue]:
+def load_configured(dataset: DatasetConfig, job: str) -> list[Dialogue]:
   """The dialogues a `dataset` config section names (`name`, `path`,
   `split`) for `job` ("train", "evaluate", "build_memory")."""
   return load_dataset(dataset.name, dataset.path, configured_split(dataset, job))

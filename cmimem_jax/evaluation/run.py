@@ -27,22 +27,24 @@ import collections
 import concurrent.futures
 import hashlib
 import json
+import dataclasses
 import os
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, ClassVar
 
 from absl import logging
 from tqdm import tqdm
 
 from cmimem_jax import storage
 from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
-from cmimem_jax.config import (qa_chunk_budget, register_section,
-                               validate_config)
-from cmimem_jax.data import (Dialogue, Question, WorkdirLock,
+from cmimem_jax.config import (Section, Sections, as_section, need,
+                               positive_int, qa_chunk_budget, validate_config)
+from cmimem_jax.data import (DatasetConfig, Dialogue, Question, WorkdirLock,
                              configured_split, load_configured, path_under,
                              read_jsonl)
 from cmimem_jax.data.files import write_json
-from cmimem_jax.encoders import Encoder, make_encoder
+from cmimem_jax.encoders import Encoder, EncoderConfig, make_encoder
 from cmimem_jax.evaluation.answering import (JudgedAnswer, MemoryContext,
                                              QAContext, TurnRAG,
                                              answer_and_judge)
@@ -57,7 +59,7 @@ from cmimem_jax.evaluation.metrics import (aggregate, best_over_golds,
                                            token_f1)
 from cmimem_jax.memory.apply import MemoryEditors
 from cmimem_jax.memory.bank import MemoryBank
-from cmimem_jax.memory.builder import build_bank
+from cmimem_jax.memory.builder import MemoryConfig, build_bank
 from cmimem_jax.memory.compression import memory_editors
 from cmimem_jax.memory.dsl import response_regex
 
@@ -67,44 +69,99 @@ JUDGES = ("context_recall", "llm")
 MODEL_KINDS = ("none", "endpoint", "local")
 
 
-def _check_evaluation(c) -> None:
-  c.check("method", lambda v: v in METHODS, f"one of {METHODS}")
-  c.check("limit", lambda v: isinstance(v, int) and v >= 0, "an int >= 0")
-  c.check("judge.kind", lambda v: v in JUDGES, f"one of {JUDGES}")
-  c.check("judge.prompt", lambda v: v in ("listing11", "longmemeval"),
-          "listing11 or longmemeval")
-  c.check("answer.kind", lambda v: v in MODEL_KINDS, f"one of {MODEL_KINDS}")
-  c.check("builder.kind", lambda v: v in MODEL_KINDS[1:],
-          "endpoint or local")
-  for section in ("answer", "builder"):
-    c.check(f"{section}.constrained_dsl", lambda v: isinstance(v, bool),
-            "True or False")
-    c.check(f"{section}.checkpoint_step",
-            lambda v: isinstance(v, int) and v >= 0,
-            "an int >= 0 (0: the newest checkpoint of init_checkpoint)")
-  c.check("rag_top_k", lambda v: isinstance(v, int) and v > 0,
-          "a positive integer")
-  if c.get("judge.kind") == "llm" and c.get("answer.kind") == "none":
-    c.problems.append("judge.kind=llm needs an answer model: set "
-                      "answer.kind to endpoint or local")
-  for section in ("judge", "answer", "builder"):
-    if c.get(f"{section}.kind") == "endpoint" or (
-        section == "judge" and c.get("judge.kind") == "llm"):
-      try:
-        EndpointConfig.from_config(c.get(f"{section}.endpoint"))
-      except (TypeError, ValueError, AttributeError) as e:
-        c.problems.append(f"{section}.endpoint: {e}")
+@dataclasses.dataclass(frozen=True)
+class EvaluationConfig(Section):
+  """The evaluation job's top-level fields."""
+
+  method: str     # One of METHODS: who builds the memory (or utterance RAG).
+  limit: int      # The first N questions (0: all).
+  rag_top_k: int  # Turns retrieved per question by the `rag` method.
+
+  def invalid(self) -> Iterator[str]:
+    yield from need(self, "method", lambda v: v in METHODS,
+                    f"one of {METHODS}")
+    yield from need(self, "limit", lambda v: v >= 0, "an int >= 0")
+    yield from need(self, "rag_top_k", positive_int, "a positive integer")
 
 
-register_section("judge", _check_evaluation)
+@dataclasses.dataclass(frozen=True)
+class JudgeConfig(Section):
+  """The `judge` section: how an answer is scored."""
+
+  SECTION: ClassVar[str] = "judge"
+
+  kind: str                 # One of JUDGES.
+  prompt: str               # listing11 | longmemeval (the llm judge's).
+  endpoint: EndpointConfig  # The llm judge's model.
+
+  def invalid(self) -> Iterator[str]:
+    yield from need(self, "kind", lambda v: v in JUDGES, f"one of {JUDGES}")
+    yield from need(self, "prompt", lambda v: v in ("listing11",
+                                                    "longmemeval"),
+                    "listing11 or longmemeval")
+
+  def invalid_with(self, sections: Sections) -> Iterator[str]:
+    answer = sections.get(AnswerModelConfig)
+    if self.kind == "llm" and answer is not None and answer.kind == "none":
+      yield ("judge.kind=llm needs an answer model: set answer.kind to "
+             "endpoint or local")
 
 
-def make_chat_model(section: Any, constraint_regex: str | None = None
-                    ) -> ChatModel:
+@dataclasses.dataclass(frozen=True)
+class ChatModelConfig(Section):
+  """A chat model of an evaluation (`make_chat_model`): an endpoint, our
+  Flax policy ("local": `path` a GGUF file or an HF folder, "" = the
+  embedded SmolLM2; `init_checkpoint` a train / sft workdir whose step
+  `checkpoint_step`, 0 = the newest, replaces the weights), or "none"."""
+
+  KINDS: ClassVar[tuple[str, ...]] = MODEL_KINDS
+
+  kind: str
+  endpoint: EndpointConfig
+  path: str = ""
+  init_checkpoint: str = ""
+  checkpoint_step: int = 0
+  max_new_tokens: int = 256
+  constrained_dsl: bool = False  # A local builder decodes valid DSL only.
+
+  def invalid(self) -> Iterator[str]:
+    yield from need(self, "kind", lambda v: v in self.KINDS,
+                    " or ".join(self.KINDS))
+    yield from need(self, "checkpoint_step", lambda v: v >= 0,
+                    "an int >= 0 (0: the newest checkpoint of "
+                    "init_checkpoint)")
+    yield from need(self, "max_new_tokens", positive_int,
+                    "a positive integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class AnswerModelConfig(ChatModelConfig):
+  """The `answer` section: who answers the questions (llm judge)."""
+
+  SECTION: ClassVar[str] = "answer"
+
+
+@dataclasses.dataclass(frozen=True)
+class BuilderModelConfig(ChatModelConfig):
+  """The `builder` section: who builds memories (`policy`, `prompting`)."""
+
+  SECTION: ClassVar[str] = "builder"
+  KINDS: ClassVar[tuple[str, ...]] = MODEL_KINDS[1:]
+
+
+# What `evaluate` reads.
+EVALUATION_SECTIONS = (EvaluationConfig, DatasetConfig, EncoderConfig,
+                       MemoryConfig, JudgeConfig, AnswerModelConfig,
+                       BuilderModelConfig)
+
+
+def make_chat_model(section: ChatModelConfig,
+                    constraint_regex: str | None = None) -> ChatModel:
   """An answer/builder model from its config section; a local model
   decodes matches of `constraint_regex` only, when given."""
+  section = as_section(ChatModelConfig, section)
   if section.kind == "endpoint":
-    return OpenAIClient(EndpointConfig.from_config(section.endpoint))
+    return OpenAIClient(section.endpoint)
   # The Flax model pulls in the model stack: import only when asked.
   from cmimem_jax.models.qwen3 import load_gguf, load_hf
   from cmimem_jax.models.qwen3.params import smollm2_gguf_path
@@ -129,24 +186,25 @@ def make_chat_model(section: Any, constraint_regex: str | None = None
       prompt_limit_name="the local model's context less its max_new_tokens")
 
 
-def context_provider(dialogue: Dialogue, encoder: Encoder, config,
+def context_provider(dialogue: Dialogue, encoder: Encoder,
+                     run: EvaluationConfig, memory: MemoryConfig,
                      workdir: str, builder: ChatModel | None,
                      failures: collections.Counter,
                      editors: MemoryEditors = MemoryEditors()):
-  if config.method == "rag":
-    return TurnRAG(dialogue, encoder, config.rag_top_k)
-  directory = path_under(workdir, "banks", config.method,
-                         dialogue.dialogue_id)
+  """Where a question's context comes from: utterance RAG, or the memory
+  the `run.method` builds for `dialogue` (cached in `workdir/banks`)."""
+  if run.method == "rag":
+    return TurnRAG(dialogue, encoder, run.rag_top_k)
+  directory = path_under(workdir, "banks", run.method, dialogue.dialogue_id)
   if storage.path(storage.join(directory, "CURRENT")).exists():
     bank = MemoryBank.load(directory)
   else:
     make = {"policy": policy_responder, "prompting": agents_responder}
     # A failed builder call raises `CallFailed`: a bank missing a session
     # is never cached, nor are questions scored on it.
-    respond = make[config.method](builder, encoder,
-                                  config.memory.build_top_k,
-                                  failures=failures, raise_on_failure=True)
-    bank, stats, _ = build_bank(dialogue, encoder, respond, config.memory,
+    respond = make[run.method](builder, encoder, memory.build_top_k,
+                               failures=failures, raise_on_failure=True)
+    bank, stats, _ = build_bank(dialogue, encoder, respond, memory,
                                 editors=editors)
     logging.info("%s: built %d entries %s", dialogue.dialogue_id, len(bank),
                  stats)
@@ -156,8 +214,8 @@ def context_provider(dialogue: Dialogue, encoder: Encoder, config,
       if stats.get(key):  # Listed only when it happened.
         failures[key] += stats[key]
     bank.save(directory)
-  return MemoryContext(bank, dialogue, encoder, config.memory.qa_top_k,
-                       qa_chunk_budget(config.memory))
+  return MemoryContext(bank, dialogue, encoder, memory.qa_top_k,
+                       qa_chunk_budget(memory))
 
 
 def text_metrics(dataset: str, question: Question, prediction: str
@@ -352,21 +410,24 @@ def failed_endpoints(config, result: dict) -> str:
 def evaluate(config, workdir: str) -> dict:
   """Runs (or resumes) an evaluation; returns what it writes to
   `results.json`."""
-  validate_config(config, required=("dataset", "encoder", "memory", "judge",
-                                    "answer", "builder"))
+  sections = validate_config(config, required=EVALUATION_SECTIONS)
+  dataset, run = sections[DatasetConfig], sections[EvaluationConfig]
+  memory, judge_config = sections[MemoryConfig], sections[JudgeConfig]
+  answer_config = sections[AnswerModelConfig]
+  builder_config = sections[BuilderModelConfig]
   WorkdirLock(workdir, "evaluate").acquire()
-  dialogues = load_configured(config.dataset, "evaluate")
-  dialogues = dialogues[config.dataset.get("start", 0):]
-  if config.dataset.dialogues:
-    dialogues = dialogues[:config.dataset.dialogues]
+  dialogues = load_configured(dataset, "evaluate")
+  dialogues = dialogues[dataset.start:]
+  if dataset.dialogues:
+    dialogues = dialogues[:dataset.dialogues]
   selected = [(d, q) for d in dialogues for q in d.questions]
-  if config.limit:
-    selected = selected[:config.limit]
+  if run.limit:
+    selected = selected[:run.limit]
   if not selected:
-    raise ValueError(f"{config.dataset.path}: no questions to evaluate "
+    raise ValueError(f"{dataset.path}: no questions to evaluate "
                      f"({len(dialogues)} dialogues from dataset.start="
-                     f"{config.dataset.get('start', 0)}, split "
-                     f"{configured_split(config.dataset, 'evaluate')!r})")
+                     f"{dataset.start}, split "
+                     f"{configured_split(dataset, 'evaluate')!r})")
   ids = collections.Counter(q.question_id for _, q in selected)
   repeated = [qid for qid, count in ids.items() if count > 1]
   if repeated:
@@ -383,23 +444,22 @@ def evaluate(config, workdir: str) -> dict:
   for dialogue, question in selected:
     if question.question_id not in done:
       pending[dialogue.dialogue_id].append(question)
-  encoder = make_encoder(config.encoder)
-  answerer = (None if config.judge.kind == "context_recall"
-              or config.answer.kind == "none"
-              else make_chat_model(config.answer))
+  encoder = make_encoder(sections[EncoderConfig])
+  answerer = (None if judge_config.kind == "context_recall"
+              or answer_config.kind == "none"
+              else make_chat_model(answer_config))
   builder = None
-  if config.method != "rag" and any(pending.values()):
-    constrained = (config.method == "policy" and config.builder.kind == "local"
-                   and config.builder.constrained_dsl)
-    builder = make_chat_model(config.builder,
+  if run.method != "rag" and any(pending.values()):
+    constrained = (run.method == "policy" and builder_config.kind == "local"
+                   and builder_config.constrained_dsl)
+    builder = make_chat_model(builder_config,
                               response_regex() if constrained else None)
-  editors = (memory_editors(config.memory, {"policy": builder,
-                                            "answer": answerer})
+  editors = (memory_editors(memory, {"policy": builder, "answer": answerer})
              if builder is not None else MemoryEditors())
   judge = None
-  if config.judge.kind == "llm":
-    judge = LLMJudge(OpenAIClient(EndpointConfig.from_config(
-        config.judge.endpoint)), config.judge.prompt)
+  if judge_config.kind == "llm":
+    judge = LLMJudge(OpenAIClient(judge_config.endpoint),
+                     judge_config.prompt)
   record_settings(workdir, settings)
   failures: collections.Counter[str] = collections.Counter()
   per_submit = questions_per_submit(answerer)
@@ -427,7 +487,7 @@ def evaluate(config, workdir: str) -> dict:
       if not questions:
         continue
       try:
-        provider = context_provider(dialogue, encoder, config, workdir,
+        provider = context_provider(dialogue, encoder, run, memory, workdir,
                                     builder, failures, editors)
       except CallFailed as e:
         logging.warning("%s: no memory built, a builder call failed (%s): "

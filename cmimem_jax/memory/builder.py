@@ -6,9 +6,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import ClassVar
 
+from cmimem_jax.config import (MEMORY_EDITORS, EndpointConfig, Section, need,
+                               positive_int)
 from cmimem_jax.data.types import Dialogue, Session
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.memory.apply import (ApplyReport, CoreConfig, MemoryEditors,
@@ -28,7 +30,55 @@ class BuildStep:
   response: ParsedResponse
 
 
-def core_config(memory: Any) -> CoreConfig:
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig(Section):
+  """The `memory` section (Table 6; `config.memory_defaults` has the
+  values and what each means)."""
+
+  SECTION: ClassVar[str] = "memory"
+
+  core_cap_chars: int
+  compress_trigger: float
+  compress_target_chars: int
+  build_top_k: int
+  qa_top_k: int
+  source_chunks: bool
+  chunk_budget_chars: int
+  update_match_threshold: float
+  compressor: str
+  merge_summarizer: str
+  summarizer_endpoint: EndpointConfig
+  compress_max_tokens: int
+  merge_max_tokens: int
+
+  def invalid(self) -> Iterator[str]:
+    for key in ("core_cap_chars", "compress_target_chars", "build_top_k",
+                "qa_top_k"):
+      yield from need(self, key, positive_int, "a positive integer")
+    for key in ("compress_max_tokens", "merge_max_tokens"):
+      yield from need(self, key, positive_int, "a positive integer (tokens)")
+    yield from need(self, "compress_trigger", lambda v: 0.0 < v <= 1.0,
+                    "in (0, 1]")
+    yield from need(self, "chunk_budget_chars", lambda v: v >= 0,
+                    "a non-negative integer")
+    yield from need(self, "compressor", lambda v: v in MEMORY_EDITORS,
+                    f"one of {MEMORY_EDITORS}")
+    merge_summarizers = MEMORY_EDITORS + ("external",)
+    yield from need(self, "merge_summarizer",
+                    lambda v: v in merge_summarizers,
+                    f"one of {merge_summarizers}")
+    if self.merge_summarizer == "external" and not (
+        self.summarizer_endpoint.model):
+      yield ("summarizer_endpoint.model='': must be a model name "
+             "(memory.merge_summarizer='external' calls it)")
+    yield from need(self, "update_match_threshold",
+                    lambda v: -1.0 <= v <= 1.0, "in [-1, 1]")
+    if self.compress_target_chars > self.core_cap_chars:
+      yield ("compress_target_chars must not exceed memory.core_cap_chars "
+             f"({self.compress_target_chars} > {self.core_cap_chars})")
+
+
+def core_config(memory: MemoryConfig) -> CoreConfig:
   """`CoreConfig` from a validated `memory` config section."""
   return CoreConfig(memory.core_cap_chars, memory.compress_trigger,
                     memory.compress_target_chars)
@@ -52,7 +102,7 @@ def count_model_edits(stats: collections.Counter[str],
 
 
 def build_bank(dialogue: Dialogue, encoder: Encoder, respond: Responder,
-               memory: Any, on_step: Callable[[BuildStep], None] | None = None,
+               memory: MemoryConfig, on_step: Callable[[BuildStep], None] | None = None,
                editors: MemoryEditors = MemoryEditors()
                ) -> tuple[MemoryBank, dict[str, int], list[BuildStep]]:
   """Runs `respond` over every session of `dialogue` from an empty bank.

@@ -15,11 +15,11 @@ own MERGE text).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
-from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
+from cmimem_jax.client import ChatModel, OpenAIClient
+from cmimem_jax.config import as_section
 from cmimem_jax.memory.apply import CoreConfig, MemoryEditors
-from cmimem_jax.memory.builder import core_config
+from cmimem_jax.memory.builder import MemoryConfig, core_config
 from cmimem_jax.memory.json_agents import loads_llm_json
 from cmimem_jax.memory.prompt_builder import (build_compression_prompt,
                                               build_merge_prompt)
@@ -79,16 +79,15 @@ class ChatMergeSummarizer:
     return text
 
 
-def _model(memory: Any, key: str, models: Mapping[str, ChatModel | None]
-           ) -> ChatModel | None:
-  name = memory[key]
+def _model(memory: MemoryConfig, key: str,
+           models: Mapping[str, ChatModel | None]) -> ChatModel | None:
+  name = getattr(memory, key)
   if name == "none":
     return None
   if name == "external":
     # App. H.3's "external summarizer": an endpoint of its own, whatever
     # the job's other models are.
-    return OpenAIClient(EndpointConfig.from_config(
-        memory.summarizer_endpoint))
+    return OpenAIClient(memory.summarizer_endpoint)
   model = models.get(name)
   if model is None:
     raise ValueError(f"memory.{key}={name!r}, but this job has no {name} "
@@ -99,8 +98,8 @@ def _model(memory: Any, key: str, models: Mapping[str, ChatModel | None]
   return free_text() if free_text is not None else model
 
 
-def memory_editors(memory: Any, models: Mapping[str, ChatModel | None]
-                   ) -> MemoryEditors:
+def memory_editors(memory: MemoryConfig,
+                   models: Mapping[str, ChatModel | None]) -> MemoryEditors:
   """`memory.compressor` and `memory.merge_summarizer` of a job over its
   models (`{"policy": ..., "answer": ...}`; a policy as its `free_text()`
   view), answers of up to `memory.compress_max_tokens` /
@@ -111,6 +110,7 @@ def memory_editors(memory: Any, models: Mapping[str, ChatModel | None]
   Raises:
     ValueError: a configured model is not part of this job.
   """
+  memory = as_section(MemoryConfig, memory)
   compress = _model(memory, "compressor", models)
   merge = _model(memory, "merge_summarizer", models)
   return MemoryEditors(

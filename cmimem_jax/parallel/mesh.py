@@ -7,14 +7,18 @@ and `tensor` (Megatron style). An axis size of -1 takes the devices left.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import ClassVar
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
+
+from cmimem_jax.config import Section
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -30,6 +34,32 @@ def parse_mesh_shape(text: str) -> dict[str, int]:
                        f"AXIS in {AXES}")
     shape[name] = int(size)
   return shape
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(Section):
+  """The top-level `mesh` field: "AXIS:SIZE,..." over `AXES` (-1: the
+  devices left), checked against this process's devices."""
+
+  SECTION: ClassVar[str] = ""  # A field of the top level.
+
+  mesh: str
+
+  def invalid(self) -> Iterator[str]:
+    try:
+      self.sizes()
+    except ValueError as e:
+      yield f"mesh={self.mesh!r}: {e}"
+
+  def sizes(self) -> dict[str, int]:
+    """`{axis: size}` on this process's devices (raises ValueError)."""
+    return resolve_mesh_shape(parse_mesh_shape(self.mesh), len(jax.devices()))
+
+  @property
+  def batch_shards(self) -> int:
+    """How many ways the batch is split (`data` x `fsdp`)."""
+    sizes = self.sizes()
+    return math.prod(sizes[axis] for axis in BATCH_AXES)
 
 
 def resolve_mesh_shape(shape: Mapping[str, int], num_devices: int

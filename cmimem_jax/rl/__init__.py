@@ -7,7 +7,7 @@ train step (`Learner`), one whole GRPO step with the reward passed in
 from cmimem_jax.rl.advantages import group_advantages
 from cmimem_jax.rl.batch import (rollout_batch, shared_prompt_group,
                                  supervised_batch)
-from cmimem_jax.rl.checkpoint import (Checkpointer, Restored,
+from cmimem_jax.rl.checkpoint import (CheckpointConfig, Checkpointer, Restored,
                                       load_model_weights)
 from cmimem_jax.rl.logprobs import (mean_continuation_logprobs,
                                     recompute_logprobs, token_logprobs)
@@ -24,7 +24,8 @@ from cmimem_jax.rl.trainer import (Learner, OptimizerConfig, TrainStepConfig,
                                    accumulated_grads, make_optimizer)
 
 __all__ = [
-    "AGGREGATIONS", "OLD_LOGPROBS", "aggregation_scale", "Checkpointer",
+    "AGGREGATIONS", "OLD_LOGPROBS", "aggregation_scale", "CheckpointConfig",
+    "Checkpointer",
     "GRPOLossConfig", "GRPOStep", "IncrementalReward", "Learner", "RewardFn",
     "Rollouts",
     "RolloutSettings", "Scores", "StepResult", "MetricsWriter", "Objective",

@@ -36,7 +36,7 @@ import os
 import shutil
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import orbax.checkpoint as ocp
@@ -44,6 +44,7 @@ from absl import logging as absl_logging
 from flax import nnx
 
 from cmimem_jax import storage
+from cmimem_jax.config import Section, as_section, need, positive_int
 from cmimem_jax.models.host_memory import release_free_heap
 from cmimem_jax.rl.metrics import MetricsWriter
 
@@ -168,6 +169,25 @@ class Restored:
   skipped: list[int]  # Newer steps that could not be restored.
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(Section):
+  """The `checkpoint` section: when a job saves and which saves it keeps."""
+
+  SECTION: ClassVar[str] = "checkpoint"
+
+  every_steps: int   # A save every N steps (and at the end).
+  keep: int          # The newest N saves are kept.
+  keep_period: int = 0  # ... and every Nth step's (0: none).
+  async_save: bool = True
+  save_concurrent_gb: float = DEFAULT_SAVE_CONCURRENT_GB
+
+  def invalid(self) -> Iterator[str]:
+    for key in ("every_steps", "keep"):
+      yield from need(self, key, positive_int, "a positive integer")
+    yield from need(self, "keep_period", lambda v: v >= 0, ">= 0 (0: none)")
+    yield from need(self, "save_concurrent_gb", lambda v: v > 0, "> 0")
+
+
 class Checkpointer:
 
   def __init__(self, directory: str, keep: int = 3, async_save: bool = True,
@@ -209,13 +229,14 @@ class Checkpointer:
     self._pending: tuple[int, int] | None = None
 
   @classmethod
-  def for_workdir(cls, workdir: str, section: Any) -> Checkpointer:
+  def for_workdir(cls, workdir: str, section: CheckpointConfig
+                  ) -> Checkpointer:
     """`workdir/checkpoints` with a `checkpoint` config section's `keep`,
     `keep_period`, `async_save` and `save_concurrent_gb`."""
+    section = as_section(CheckpointConfig, section)
     return cls(storage.join(workdir, "checkpoints"), section.keep,
-               section.async_save, section.get("keep_period", 0),
-               save_concurrent_gb=section.get("save_concurrent_gb",
-                                              DEFAULT_SAVE_CONCURRENT_GB))
+               section.async_save, section.keep_period,
+               save_concurrent_gb=section.save_concurrent_gb)
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())

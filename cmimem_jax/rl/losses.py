@@ -36,10 +36,13 @@ moves away from the one that sampled.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+
+from cmimem_jax.config import Section, need
 
 Batch = dict[str, jax.Array]
 Stats = dict[str, jax.Array]
@@ -69,7 +72,7 @@ def aggregation_scale(loss_mask: jax.Array, aggregation: str) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPOLossConfig:
+class GRPOLossConfig(Section):
   """Clipped surrogate + k3 KL over sampled completions (rollout batches,
   `rl.rollout_batch`)."""
   epsilon_low: float = 0.2   # ratio floor 1 - epsilon_low (A < 0 side).
@@ -100,24 +103,23 @@ class GRPOLossConfig:
       "tokens", "mask", "loss_mask", "old_logprobs", "advantages",
       "token_weights")
 
-  def __post_init__(self):
-    if not 0 <= self.epsilon_low < 1 or self.epsilon_high < 0:
-      raise ValueError("need 0 <= epsilon_low < 1 and epsilon_high >= 0")
-    if not self.kl_beta >= 0:  # NaN fails too.
-      raise ValueError("kl_beta must be >= 0")
-    if not (self.clip_ratio_c == 0 or self.clip_ratio_c > 1):
-      raise ValueError(f"clip_ratio_c must be 0 (no dual-clip) or > 1, got "
-                       f"{self.clip_ratio_c!r}")
+  def invalid(self) -> Iterator[str]:
+    """The objective's rules, one for every caller (`rl` config section
+    and code alike): a ratio floor 1 - epsilon_low in (0, 1]; any
+    ceiling 1 + epsilon_high >= 1 (DAPO's clip-higher raises it)."""
+    yield from need(self, "epsilon_low", lambda v: 0 <= v < 1, "in [0, 1)")
+    yield from need(self, "epsilon_high", lambda v: v >= 0, ">= 0")
+    # NaN fails too.
+    yield from need(self, "kl_beta", lambda v: v >= 0, ">= 0")
+    yield from need(self, "clip_ratio_c", lambda v: v == 0 or v > 1,
+                    "0 (no dual-clip) or > 1")
     for name in ("log_ratio_clamp", "kl_clamp"):
-      if not getattr(self, name) >= 0:
-        raise ValueError(f"{name} must be >= 0 (0: off), got "
-                         f"{getattr(self, name)!r}")
-    if self.aggregation not in AGGREGATIONS:
-      raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got "
-                       f"{self.aggregation!r}")
-    if self.old_logprobs not in OLD_LOGPROBS:
-      raise ValueError(f"old_logprobs must be one of {OLD_LOGPROBS}, got "
-                       f"{self.old_logprobs!r}")
+      yield from need(self, name, lambda v: v >= 0, ">= 0 (0: off)")
+    yield from need(self, "aggregation", lambda v: v in AGGREGATIONS,
+                    f"one of {AGGREGATIONS}")
+    yield from need(self, "old_logprobs", lambda v: v in OLD_LOGPROBS,
+                    f"one of {OLD_LOGPROBS} ('learner': the policy's own, "
+                    "ratio 1; 'sampler': the decode-time ones)")
 
   @property
   def uses_reference(self) -> bool:

@@ -6,7 +6,8 @@ loop, evaluation and the server generate through."""
 
 from cmimem_jax.sampling.constraint import TokenConstraint
 from cmimem_jax.sampling.engine import EngineHooks, GenerationEngine
-from cmimem_jax.sampling.policy import (ChatPolicy, check_vocabulary,
+from cmimem_jax.sampling.policy import (ChatPolicy, PolicyConfig,
+                                        check_vocabulary,
                                         checkpoint_tokenizer_path,
                                         encode_chat, load_policy,
                                         load_policy_and_tokenizer,
@@ -15,7 +16,8 @@ from cmimem_jax.sampling.policy import (ChatPolicy, check_vocabulary,
 from cmimem_jax.sampling.sampler import (SampleOutput, Sampler, SamplingConfig,
                                          bucket_length, left_pad, sample_token)
 
-__all__ = ["ChatPolicy", "EngineHooks", "GenerationEngine", "SampleOutput", "Sampler",
+__all__ = ["ChatPolicy", "PolicyConfig", "EngineHooks", "GenerationEngine",
+           "SampleOutput", "Sampler",
            "SamplingConfig", "bucket_length", "check_vocabulary",
            "checkpoint_tokenizer_path", "encode_chat", "left_pad",
            "load_policy", "load_policy_and_tokenizer", "load_tokenizer",

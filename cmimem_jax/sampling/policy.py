@@ -4,9 +4,10 @@ interface (`chat_many`) that evaluation and the server use."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 from flax import nnx
@@ -14,6 +15,8 @@ from jax.sharding import Mesh
 
 from cmimem_jax import storage
 from cmimem_jax.client import CallResult, ChatModel, Messages, PromptFits
+from cmimem_jax.config import Section, as_section, need, positive_int
+from cmimem_jax.models.attention import ATTENTION_IMPLS
 from cmimem_jax.models.hf_tokenizer import load_hf_tokenizer
 from cmimem_jax.models.qwen3 import (Qwen3, Qwen3Config, load_gguf, load_hf,
                                      preset)
@@ -38,14 +41,44 @@ def load_tokenizer(path: str) -> Any:
   return load_hf_tokenizer(path)
 
 
-def policy_runtime(section: Any) -> dict[str, Any]:
+POLICY_SOURCES = ("random", "gguf", "hf")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig(Section):
+  """The `policy` section: the model that writes memories."""
+
+  SECTION: ClassVar[str] = "policy"
+
+  source: str                # One of POLICY_SOURCES.
+  max_position_embeddings: int  # random: the context length.
+  path: str = ""             # gguf: "" = the embedded SmolLM2; hf: a folder.
+  preset: str = ""           # random: the architecture (`models.preset`).
+  seed: int = 0              # random: the weights' seed.
+  tokenizer: str = ""        # "": the checkpoint's own tokenizer.
+  init_checkpoint: str = ""  # A train / sft workdir's weights replace these.
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  remat: str = "none"
+  attention_impl: str = "auto"  # One of ATTENTION_IMPLS.
+
+  def invalid(self) -> Iterator[str]:
+    yield from need(self, "source", lambda v: v in POLICY_SOURCES,
+                    "random, gguf or hf")
+    yield from need(self, "attention_impl", lambda v: v in ATTENTION_IMPLS,
+                    f"one of {ATTENTION_IMPLS}")
+    yield from need(self, "max_position_embeddings", positive_int,
+                    "a positive integer")
+
+
+def policy_runtime(section: PolicyConfig) -> dict[str, Any]:
   """The `policy` section's runtime settings of any architecture (dtype
   policy, rematerialisation, attention backend)."""
   return dict(dtype=section.dtype, param_dtype=section.param_dtype,
               remat=section.remat, attention_impl=section.attention_impl)
 
 
-def random_policy_config(section: Any, vocab_size: int,
+def random_policy_config(section: PolicyConfig, vocab_size: int,
                          **overrides: Any) -> Qwen3Config:
   """The architecture of source "random": the `preset`, vocabulary sized
   to the tokenizer (`overrides` last, e.g. a layer count)."""
@@ -54,7 +87,7 @@ def random_policy_config(section: Any, vocab_size: int,
                 **{**policy_runtime(section), **overrides})
 
 
-def load_policy(section: Any, vocab_size: int) -> Qwen3:
+def load_policy(section: PolicyConfig, vocab_size: int) -> Qwen3:
   """The policy from the `policy` config section.
 
   source "random": the `preset` architecture with random weights (vocab
@@ -87,7 +120,7 @@ def checkpoint_tokenizer_path(path: str) -> str:
   return path
 
 
-def policy_tokenizer_path(section: Any) -> str:
+def policy_tokenizer_path(section: PolicyConfig) -> str:
   """Where the `policy` section's tokenizer comes from: `tokenizer` when
   set; else the checkpoint's own for the `hf` and `gguf` sources; else
   (`random`) the embedded SmolLM2's."""
@@ -107,12 +140,13 @@ def check_vocabulary(tokenizer: Any, vocab_size: int, model: str) -> None:
         f"table has {vocab_size} rows: they belong to different models")
 
 
-def load_policy_and_tokenizer(section: Any) -> tuple[Qwen3, Any]:
+def load_policy_and_tokenizer(section: PolicyConfig) -> tuple[Qwen3, Any]:
   """The policy of the `policy` config section and its tokenizer, their
   vocabularies checked against each other (an HF checkpoint's before its
   weights are read)."""
+  section = as_section(PolicyConfig, section)
   storage.require_local(section.path, "policy.path")
-  storage.require_local(section.get("tokenizer", ""), "policy.tokenizer")
+  storage.require_local(section.tokenizer, "policy.tokenizer")
   tokenizer = load_tokenizer(policy_tokenizer_path(section))
   name = section.path or f"the {section.source} policy"
   if section.source == "hf":

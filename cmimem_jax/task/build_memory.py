@@ -22,13 +22,14 @@ import numpy as np
 
 from cmimem_jax import storage
 from cmimem_jax.config import ConfigError, qa_chunk_budget, validate_config
-from cmimem_jax.data import Dialogue, WorkdirLock, load_configured, path_under
+from cmimem_jax.data import (DatasetConfig, Dialogue, WorkdirLock,
+                             load_configured, path_under)
 from cmimem_jax.data.files import write_json
-from cmimem_jax.encoders import Encoder, make_encoder
+from cmimem_jax.encoders import Encoder, EncoderConfig, make_encoder
 from cmimem_jax.memory import MemoryBank, lookup_chunks
 from cmimem_jax.memory.annotations import locomo_annotation_operations
 from cmimem_jax.memory.bank import embed_texts
-from cmimem_jax.memory.builder import BuildStep, Responder
+from cmimem_jax.memory.builder import BuildStep, MemoryConfig, Responder
 from cmimem_jax.memory.builder import build_bank as run_policy
 from cmimem_jax.memory.dsl import ParsedResponse, rendered_response
 from cmimem_jax.task.reward import RewardComputer, RewardConfig, RolloutInput
@@ -119,7 +120,8 @@ def run(config, workdir: str | None) -> dict[str, dict]:
   """Builds, scores, saves (under `workdir`, if given) and probes a bank per
   dialogue, printing each as it goes; returns the per-dialogue summary
   (also written to `workdir/summary.json`)."""
-  validate_config(config, required=("dataset", "encoder", "memory", "reward"))
+  validate_config(config, required=(DatasetConfig, EncoderConfig,
+                                    MemoryConfig, RewardConfig))
   if config.policy not in POLICIES:
     raise ConfigError(f"policy must be one of {sorted(POLICIES)}")
   for key in ("compressor", "merge_summarizer"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -17,7 +16,8 @@ from cmimem_jax.data.types import Dialogue, Question, Session
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.memory.apply import MemoryEditors, apply_response
 from cmimem_jax.memory.bank import MemoryBank
-from cmimem_jax.memory.builder import core_config, count_model_edits
+from cmimem_jax.memory.builder import (MemoryConfig, core_config,
+                                      count_model_edits)
 from cmimem_jax.memory.dsl import ParsedResponse, parse
 from cmimem_jax.task.qa_reward import PendingQA, QAReward
 from cmimem_jax.task.reward import (RewardComputer, RewardTerms, RolloutInput,
@@ -47,7 +47,7 @@ DecodeEach = Callable[[Sequence[int]], list[str]]
 
 
 def apply_to_copy(bank: MemoryBank, session: Session, response: ParsedResponse,
-                  encoder: Encoder, memory: Any,
+                  encoder: Encoder, memory: MemoryConfig,
                   editors: MemoryEditors = MemoryEditors(),
                   stats: collections.Counter[str] | None = None
                   ) -> MemoryBank:
@@ -77,7 +77,7 @@ class RolloutScorer:
   `concurrency`. The result equals scoring the rows one after another.
   """
 
-  def __init__(self, encoder: Encoder, memory: Any, qa: QAReward,
+  def __init__(self, encoder: Encoder, memory: MemoryConfig, qa: QAReward,
                computer: RewardComputer,
                editors: MemoryEditors = MemoryEditors(),
                stats: collections.Counter[str] | None = None):
@@ -119,7 +119,7 @@ class RolloutScorer:
 
 
 def score_rollouts(episodes: Sequence[Episode], texts: Sequence[str],
-                   group_size: int, encoder: Encoder, memory: Any,
+                   group_size: int, encoder: Encoder, memory: MemoryConfig,
                    qa: QAReward, computer: RewardComputer,
                    editors: MemoryEditors = MemoryEditors(),
                    stats: collections.Counter[str] | None = None

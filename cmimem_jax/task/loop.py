@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
 
 import jax
+import ml_collections
 import numpy as np
 from absl import logging
 from flax import nnx
@@ -37,30 +39,31 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cmimem_jax import storage
 from cmimem_jax.cmi.logprob import PolicyProfileLM
-from cmimem_jax.config import (Interrupted, check_failures, finite_number,
-                               register_section, validate_config,
+from cmimem_jax.config import (Interrupted, Section, Sections,
+                               check_failures, location_problem, need,
+                               positive_int, unchecked, validate_config,
                                write_config)
-from cmimem_jax.data import Dialogue, WorkdirLock, load_configured
+from cmimem_jax.data import (DatasetConfig, Dialogue, WorkdirLock,
+                             load_configured)
 from cmimem_jax.data.files import write_atomic
-from cmimem_jax.encoders import Encoder, encoder_identity, make_encoder
-from cmimem_jax.memory.builder import EDIT_COUNTERS
+from cmimem_jax.encoders import (Encoder, EncoderConfig, encoder_identity,
+                                 make_encoder)
+from cmimem_jax.memory.builder import EDIT_COUNTERS, MemoryConfig
 from cmimem_jax.memory.compression import memory_editors
 from cmimem_jax.memory.dsl import response_regex
 from cmimem_jax.memory.prompt_builder import PolicyPrompter
-from cmimem_jax.models.attention import ATTENTION_IMPLS
 from cmimem_jax.models.host_memory import (release_free_heap,
                                           return_large_blocks)
 from cmimem_jax.models.qwen3.params import save_hf
-from cmimem_jax.parallel import (initialize_distributed, make_mesh,
-                                 parse_mesh_shape, resolve_mesh_shape)
+from cmimem_jax.parallel import MeshConfig, initialize_distributed, make_mesh
 from cmimem_jax.models.qwen3 import Qwen3
-from cmimem_jax.rl import (OLD_LOGPROBS, Checkpointer, GRPOLossConfig,
+from cmimem_jax.rl import (CheckpointConfig, Checkpointer, GRPOLossConfig,
                            GRPOStep, Learner, MetricsWriter, OptimizerConfig,
                            Rollouts, RolloutSettings, Scores,
                            StopSignals, TrainStepConfig, load_model_weights,
                            read_metrics)
 from cmimem_jax.rl.checkpoint import metrics_follow_checkpoints
-from cmimem_jax.sampling import (ChatPolicy, TokenConstraint,
+from cmimem_jax.sampling import (ChatPolicy, PolicyConfig, TokenConstraint,
                                  load_policy_and_tokenizer, special_ids)
 from cmimem_jax.sampling.sampler import DECODE_DEVICES
 from cmimem_jax.sampling.vllm_engine import (VLLMEngine, checkpoint_dir,
@@ -70,7 +73,7 @@ from cmimem_jax.task.curriculum import (Curriculum, SessionRef,
 from cmimem_jax.task.episode import (Episode, RolloutScorer,
                                      attribution_weights, score_rollouts,
                                      session_questions)
-from cmimem_jax.task.qa_reward import QAReward
+from cmimem_jax.task.qa_reward import QAConfig, QAReward
 from cmimem_jax.task.report import session_line, summary_text, written_memory
 from cmimem_jax.task.reward import (NO_EXPERT_RESPONSE, RewardComputer,
                                     RewardConfig)
@@ -80,178 +83,248 @@ from cmimem_jax.task.snapshots import (build_snapshots, expert_responses,
                                        save_snapshots)
 
 
-def _check_training(c) -> None:
-  c.check("rollout.engine", lambda v: v in ("jax", "vllm"), "jax or vllm")
-  c.check("rollout.constrained_dsl", lambda v: isinstance(v, bool),
-          "True or False")
-  if c.get("rollout.constrained_dsl") is True and (
-      c.get("rollout.engine") == "vllm"):
-    c.problems.append("rollout.constrained_dsl needs rollout.engine='jax' "
-                      "(the constraint runs inside the JAX decode loop)")
-  c.check("rollout.num_rollouts", lambda v: isinstance(v, int) and v >= 2,
-          "an int >= 2 (GRPO compares rollouts within a group)")
-  c.check("rollout.temperature", lambda v: v >= 0, ">= 0")
-  for name in ("release_programs_each_step", "score_beside_decoding"):
-    c.check(f"rollout.{name}", lambda v: isinstance(v, bool),
-            "True or False")
-  c.check("rollout.max_rows_per_wave", lambda v: isinstance(v, int) and v >= 0,
-          "a non-negative integer")
-  c.check("rollout.decode_devices", lambda v: v in DECODE_DEVICES,
-          f"one of {DECODE_DEVICES}: decode on one device, or split the "
-          "rows over the mesh's batch axes")
-  c.check("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]")
-  for name in ("max_new_tokens", "max_prompt_tokens"):
-    c.check(f"rollout.{name}", lambda v: isinstance(v, int) and v > 0,
-            "a positive integer")
-  _check_buckets(c)
-  c.check("rl.sessions_per_batch", lambda v: isinstance(v, int) and v > 0,
-          "a positive integer")
-  c.check("rl.learning_rate", lambda v: finite_number(v) and v > 0,
-          "a finite number > 0")
-  for name in ("weight_decay", "grad_clip_norm", "kl_beta"):
-    c.check(f"rl.{name}", lambda v: finite_number(v, 0.0),
-            "a finite number >= 0")
-  for name in ("epsilon_low", "epsilon_high"):
-    c.check(f"rl.{name}", lambda v: finite_number(v, 0.0, 1.0),
-            "in [0, 1]")
-  for name in ("max_steps", "warmup_steps", "epochs", "validation_sessions",
-               "eval_every"):
-    c.check(f"rl.{name}", lambda v: isinstance(v, int) and v >= 0,
-            "an integer >= 0")
-  c.check("rl.curriculum_weights", lambda v: len(v) == 3 and all(
-      finite_number(w, 0.0) for w in v), "three finite weights >= 0")
-  c.check("rl.micro_batches", lambda v: isinstance(v, int) and v > 0,
-          "a positive integer")
-  c.check("rl.share_prompts", lambda v: isinstance(v, bool), "True or False")
-  c.check("rl.curriculum_tiers", lambda v: isinstance(v, int) and v > 0,
-          "a positive integer")
-  if c.get("rl.snapshots") != "policy":
-    c.check_location("rl.snapshots", "'policy' or a directory of expert "
-                     "states (python -m tools.build_expert_states)",
-                     directory=True)
-  c.check("qa.judge", lambda v: v in ("context_recall", "llm"),
-          "context_recall or llm")
-  c.check("qa.max_failure_rate", lambda v: finite_number(v, 0.0, 1.0),
-          "in [0, 1]")
-  c.check("policy.attention_impl", lambda v: v in ATTENTION_IMPLS,
-          f"one of {ATTENTION_IMPLS}")
-  c.check("policy.source", lambda v: v in ("random", "gguf", "hf"),
-          "random, gguf or hf")
-  for key in ("memory.compressor", "memory.merge_summarizer"):
-    if c.get(key) == "answer" and c.get("qa.judge") != "llm":
-      c.problems.append(f"{key}='answer' needs qa.judge='llm' (the answer "
-                        "model is its endpoint)")
-  for name in ("clip_ratio_c", "log_ratio_clamp", "kl_clamp"):
-    c.check(f"rl.{name}", lambda v: finite_number(v, 0.0),
-            "a finite number >= 0 (0: off)")
+ROLLOUT_ENGINES = ("jax", "vllm")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig(Section):
+  """The `rollout` section: how the GRPO step samples its rollouts."""
+
+  SECTION: ClassVar[str] = "rollout"
+
+  engine: str                    # One of ROLLOUT_ENGINES.
+  num_rollouts: int              # G: the group of one session.
+  temperature: float
+  top_p: float
+  max_new_tokens: int
+  max_prompt_tokens: int
+  # Prompts are left-padded to these (ascending; the largest must hold
+  # `max_prompt_tokens`, or a valid prompt is refused mid-run). vLLM may
+  # take none: its rows then reach the learner padded to the batch's
+  # longest prompt (a train step compiled per length).
+  buckets: tuple[int, ...]
+  max_rows_per_wave: int         # 0: every row in one wave.
+  decode_devices: str            # One of DECODE_DEVICES.
+  release_programs_each_step: bool
+  score_beside_decoding: bool
+  retrieval_top_k: int           # Entries per type in the policy prompt.
+  constrained_dsl: bool          # The JAX decode loop keeps to the DSL.
+  vllm: dict[str, Any] | None = None  # `VLLMEngine` keyword arguments.
+
+  def invalid(self) -> Iterator[str]:
+    yield from need(self, "engine", lambda v: v in ROLLOUT_ENGINES,
+                    "jax or vllm")
+    if self.constrained_dsl and self.engine == "vllm":
+      yield ("constrained_dsl needs rollout.engine='jax' (the constraint "
+             "runs inside the JAX decode loop)")
+    yield from need(self, "num_rollouts", lambda v: v >= 2,
+                    "an int >= 2 (GRPO compares rollouts within a group)")
+    yield from need(self, "temperature", lambda v: v >= 0, ">= 0")
+    yield from need(self, "top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+    yield from need(self, "max_rows_per_wave", lambda v: v >= 0,
+                    "a non-negative integer")
+    yield from need(self, "decode_devices", lambda v: v in DECODE_DEVICES,
+                    f"one of {DECODE_DEVICES}: decode on one device, or "
+                    "split the rows over the mesh's batch axes")
+    for key in ("max_new_tokens", "max_prompt_tokens", "retrieval_top_k"):
+      yield from need(self, key, positive_int, "a positive integer")
+    buckets = self.buckets
+    if not all(b > 0 for b in buckets) or list(buckets) != sorted(
+        set(buckets)):
+      yield f"buckets={buckets!r}: must be ascending positive token counts"
+    elif not buckets:
+      if self.engine != "vllm":
+        yield ("buckets=(): the JAX engine needs buckets (one compiled "
+               "sampler per bucket)")
+    elif buckets[-1] < self.max_prompt_tokens:
+      yield (f"buckets={buckets}: the largest must hold "
+             f"rollout.max_prompt_tokens={self.max_prompt_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig(Section):
+  """The `rl` section: the GRPO run (Table 7): batches, the curriculum,
+  the objective (`loss_config`), the optimizer, the snapshots M_{t-1}."""
+
+  SECTION: ClassVar[str] = "rl"
+
+  sessions_per_batch: int
+  epochs: int
+  max_steps: int                 # 0: the curriculum's planned steps.
+  micro_batches: int
+  learning_rate: float
+  warmup_steps: int
+  grad_clip_norm: float
+  weight_decay: float
+  kl_beta: float
+  epsilon_low: float
+  epsilon_high: float
+  clip_ratio_c: float
+  kl_clamp: float
+  log_ratio_clamp: float
+  loss_aggregation: str
   # The train step makes one optimizer update per step, so the learner's
   # start-of-step log-probs are π_old ("learner", verl's on-policy path);
   # a loop of several updates on one batch must take "sampler".
-  c.check("rl.old_logprobs", lambda v: v in OLD_LOGPROBS,
-          f"one of {OLD_LOGPROBS} ('learner': the policy's own, ratio 1; "
-          "'sampler': the decode-time ones)")
-  try:
-    grpo_loss_config(c.get("rl"))
-  except (TypeError, ValueError, AttributeError) as e:
-    c.problems.append(f"rl: {e}")
-  rollouts, sessions = c.get("rollout.num_rollouts"), c.get(
-      "rl.sessions_per_batch")
-  micro, tiers = c.get("rl.micro_batches"), c.get("rl.curriculum_tiers")
-  if all(isinstance(v, int) and v > 0
-         for v in (rollouts, sessions, micro, tiers)):
-    rows = rollouts * sessions
-    if sessions < tiers:
-      c.problems.append(f"rl.sessions_per_batch={sessions} must be >= "
-                        f"rl.curriculum_tiers={tiers} (every batch draws "
-                        "from every tier)")
-    try:
-      mesh = resolve_mesh_shape(parse_mesh_shape(c.get("mesh")),
-                                len(jax.devices()))
-      shards = mesh["data"] * mesh["fsdp"]
-      if rows % (micro * shards):
-        c.problems.append(
-            f"rollout rows {sessions} sessions x {rollouts} rollouts = {rows}"
-            f" must divide into rl.micro_batches={micro} x {shards} data "
-            f"shards of mesh {c.get('mesh')!r}")
-      wave = c.get("rollout.max_rows_per_wave")
-      if (c.get("rollout.decode_devices") == "mesh"
-          and c.get("rollout.engine") == "jax" and isinstance(wave, int)
-          and wave % (rollouts * shards)):
-        c.problems.append(
-            f"rollout.max_rows_per_wave={wave} must be whole groups of "
-            f"{rollouts} rollouts x {shards} batch shards of mesh "
-            f"{c.get('mesh')!r} (rollout.decode_devices='mesh': every "
-            "chip decodes its share of every wave)")
-    except (ValueError, AttributeError) as e:
-      c.problems.append(f"mesh: {e}")
+  old_logprobs: str
+  logprob_chunk: int
+  share_prompts: bool
+  snapshots: str                 # "policy" or a directory of expert states.
+  snapshot_refresh_epochs: int
+  curriculum_weights: tuple[float, ...]
+  curriculum_tiers: int
+  validation_sessions: int
+  eval_every: int
+  log_rollouts: bool
+
+  def loss_config(self) -> GRPOLossConfig:
+    """The GRPO objective of this section."""
+    return GRPOLossConfig(**self._loss_values())
+
+  def _loss_values(self) -> dict[str, Any]:
+    return dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+                kl_beta=self.kl_beta, aggregation=self.loss_aggregation,
+                clip_ratio_c=self.clip_ratio_c,
+                log_ratio_clamp=self.log_ratio_clamp, kl_clamp=self.kl_clamp,
+                old_logprobs=self.old_logprobs)
+
+  def invalid(self) -> Iterator[str]:
+    for key in ("sessions_per_batch", "micro_batches", "curriculum_tiers",
+                "logprob_chunk"):
+      yield from need(self, key, positive_int, "a positive integer")
+    yield from need(self, "learning_rate", lambda v: v > 0, "> 0")
+    for key in ("weight_decay", "grad_clip_norm"):
+      yield from need(self, key, lambda v: v >= 0, ">= 0")
+    for key in ("max_steps", "warmup_steps", "epochs", "validation_sessions",
+                "eval_every", "snapshot_refresh_epochs"):
+      yield from need(self, key, lambda v: v >= 0, "an integer >= 0")
+    yield from need(self, "curriculum_weights", lambda v: len(v) == 3 and all(
+        w >= 0 for w in v), "three finite weights >= 0")
+    # The objective's own rules (`GRPOLossConfig.invalid`), one set for
+    # the config and the code.
+    for line in unchecked(GRPOLossConfig, **self._loss_values()).invalid():
+      yield ("loss_" + line) if line.startswith("aggregation") else line
+    if self.snapshots != "policy":
+      problem = location_problem(
+          "snapshots", self.snapshots, "'policy' or a directory of expert "
+          "states (python -m tools.build_expert_states)", directory=True)
+      if problem:
+        yield problem
+    if self.sessions_per_batch < self.curriculum_tiers:
+      yield (f"sessions_per_batch={self.sessions_per_batch} must be >= "
+             f"rl.curriculum_tiers={self.curriculum_tiers} (every batch "
+             "draws from every tier)")
+
+  def invalid_with(self, sections: Sections) -> Iterator[str]:
+    rollout, mesh = sections.get(RolloutConfig), sections.get(MeshConfig)
+    if rollout is None or mesh is None:
+      return
+    shards, rollouts = mesh.batch_shards, rollout.num_rollouts
+    rows = rollouts * self.sessions_per_batch
+    if rows % (self.micro_batches * shards):
+      yield (f"rollout rows {self.sessions_per_batch} sessions x {rollouts} "
+             f"rollouts = {rows} must divide into rl.micro_batches="
+             f"{self.micro_batches} x {shards} data shards of mesh "
+             f"{mesh.mesh!r}")
+    wave = rollout.max_rows_per_wave
+    if (rollout.decode_devices == "mesh" and rollout.engine == "jax"
+        and wave % (rollouts * shards)):
+      yield (f"rollout.max_rows_per_wave={wave} must be whole groups of "
+             f"{rollouts} rollouts x {shards} batch shards of mesh "
+             f"{mesh.mesh!r} (rollout.decode_devices='mesh': every chip "
+             "decodes its share of every wave)")
 
 
-register_section("rl", _check_training)
+@dataclasses.dataclass(frozen=True)
+class RunConfig(Section):
+  """The training job's top-level fields."""
 
-def grpo_loss_config(rl: Any) -> GRPOLossConfig:
-  """The GRPO objective of an `rl` config section (raises ValueError on a
-  bad value, AttributeError on a missing key)."""
-  return GRPOLossConfig(
-      rl.epsilon_low, rl.epsilon_high, rl.kl_beta, rl.loss_aggregation,
-      clip_ratio_c=rl.clip_ratio_c, log_ratio_clamp=rl.log_ratio_clamp,
-      kl_clamp=rl.kl_clamp, old_logprobs=rl.old_logprobs)
+  seed: int          # Sessions held out, rollouts' keys, the random policy.
+  tensorboard: bool  # Metrics also as TensorBoard events.
 
 
-def train_step_config(config: Any, constraint: TokenConstraint | None
-                      ) -> TrainStepConfig:
+# What `grpo_step` reads.
+GRPO_STEP_SECTIONS = (RolloutConfig, RLConfig, RewardConfig)
+# What `Trainer` reads (`train` validates them before anything loads).
+TRAINING_SECTIONS = (RunConfig, MeshConfig, DatasetConfig, EncoderConfig,
+                     MemoryConfig, RewardConfig, PolicyConfig, RolloutConfig,
+                     RLConfig, QAConfig, CheckpointConfig)
+
+
+@dataclasses.dataclass
+class LoopState:
+  """Where a training run is, saved in each checkpoint (as the JSON
+  object of these fields: the keys older checkpoints hold)."""
+
+  step: int = 0              # Steps done = the curriculum's position.
+  snapshot_version: int = 0  # `DIR/snapshots/v<N>/` of policy snapshots.
+  snapshot_epoch: int = 0    # The epoch that built that version.
+
+  @classmethod
+  def from_saved(cls, saved: dict[str, Any]) -> LoopState:
+    """From a checkpoint's JSON loop state (a key it lacks keeps its
+    default; one this version does not know is refused)."""
+    unknown = set(saved) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise ValueError(f"checkpoint loop state has unknown keys "
+                       f"{sorted(unknown)}")
+    return cls(**saved)
+
+
+def train_step_config(rl: RLConfig, rollout: RolloutConfig,
+                      constraint: TokenConstraint | None) -> TrainStepConfig:
   """The learner's step of a training config: the `rl` section's
-  objective (`grpo_loss_config`), optimizer and micro-batching, the
+  objective (`RLConfig.loss_config`), optimizer and micro-batching, the
   rollouts' temperature, and the constraint's EOS when rollouts are
   grammar-constrained."""
-  rl = config.rl
   return TrainStepConfig(
-      loss=grpo_loss_config(rl),
+      loss=rl.loss_config(),
       optimizer=OptimizerConfig(
           learning_rate=rl.learning_rate, warmup_steps=rl.warmup_steps,
           weight_decay=rl.weight_decay, grad_clip_norm=rl.grad_clip_norm),
       micro_batches=rl.micro_batches,
-      temperature=config.rollout.temperature,
+      temperature=rollout.temperature,
       logprob_chunk=rl.logprob_chunk, share_prompts=rl.share_prompts,
       constraint_eos_id=None if constraint is None else constraint.eos_id)
 
 
-def rollout_settings(config: Any) -> RolloutSettings:
+def rollout_settings(rollout: RolloutConfig, rl: RLConfig
+                     ) -> RolloutSettings:
   """How a training config's GRPO step samples (`rl.step.GRPOStep`)."""
-  rollout = config.rollout
   return RolloutSettings(
       group=rollout.num_rollouts, temperature=rollout.temperature,
       top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens,
-      logprob_chunk=config.rl.logprob_chunk,
+      logprob_chunk=rl.logprob_chunk,
       release_programs_each_step=rollout.release_programs_each_step,
       score_beside_decoding=rollout.score_beside_decoding)
 
 
-def jax_policy(config: Any, model: Qwen3, tokenizer: Any, mesh: Mesh,
-               constraint: TokenConstraint | None) -> ChatPolicy:
+def jax_policy(rollout: RolloutConfig, model: Qwen3, tokenizer: Any,
+               mesh: Mesh, constraint: TokenConstraint | None) -> ChatPolicy:
   """The rollout policy of a training config on the JAX engine: the
   `Sampler` over `model` (the learner's weights; abstract ones for
   `tools/plan.py`), decoding on `rollout.decode_devices` of `mesh` in
   waves of `rollout.max_rows_per_wave`."""
-  rollout = config.rollout
   return ChatPolicy.jax(model, tokenizer, rollout.max_prompt_tokens,
                         tuple(rollout.buckets), mesh, constraint=constraint,
                         max_rows_per_wave=rollout.max_rows_per_wave,
                         decode_devices=rollout.decode_devices)
 
 
-def grpo_step(config: Any, model: Qwen3, tokenizer: Any, mesh: Mesh,
+def grpo_step(sections: Sections, model: Qwen3, tokenizer: Any, mesh: Mesh,
               workdir: str = "") -> GRPOStep:
-  """The GRPO step of a training config as `Trainer` runs it: the
-  learner of `model` (`train_step_config`, the KL / App. E reference),
-  the rollout engine (`jax_policy`, or vLLM over an HF copy of the
-  weights in `workdir`), the grammar constraint when
+  """The GRPO step of a training config (its `GRPO_STEP_SECTIONS`) as
+  `Trainer` runs it: the learner of `model` (`train_step_config`, the KL /
+  App. E reference), the rollout engine (`jax_policy`, or vLLM over an HF
+  copy of the weights in `workdir`), the grammar constraint when
   `rollout.constrained_dsl`. `model` may be abstract (`abstract_model`):
   then nothing is placed and the step only lowers its programs
   (`tools/plan.py`)."""
+  rollout, rl = sections[RolloutConfig], sections[RLConfig]
   # Grammar-constrained rollouts: every response is valid DSL, and the
   # learner takes its log-probs under the same mask.
   constraint = (TokenConstraint.from_regex(response_regex(), tokenizer)
-                if config.rollout.constrained_dsl else None)
+                if rollout.constrained_dsl else None)
   min_budget = None
   if constraint is not None:
     vocab = model.config.vocab_size
@@ -262,30 +335,30 @@ def grpo_step(config: Any, model: Qwen3, tokenizer: Any, mesh: Mesh,
     min_budget = (constraint.padded_table("min_budget", vocab)
                   if _is_abstract(model) else constraint.device_table(
                       "min_budget", vocab, NamedSharding(mesh, P())))
-  learner = Learner(model, train_step_config(config, constraint), mesh,
+  learner = Learner(model, train_step_config(rl, rollout, constraint), mesh,
                     min_budget=min_budget,
-                    keep_reference=config.reward.estimator == "logprob")
-  if config.rollout.engine == "vllm":
+                    keep_reference=sections[RewardConfig].estimator
+                    == "logprob")
+  if rollout.engine == "vllm":
     directory = checkpoint_dir(workdir)
     save_hf(learner.model, directory)
     eos_ids, pad_id = special_ids(tokenizer)
     policy = ChatPolicy(
-        VLLMEngine(directory, eos_ids, pad_id, tuple(config.rollout.buckets),
-                   **dict(config.rollout.get("vllm", {}))),
-        tokenizer, config.rollout.max_prompt_tokens)
+        VLLMEngine(directory, eos_ids, pad_id, tuple(rollout.buckets),
+                   **(rollout.vllm or {})),
+        tokenizer, rollout.max_prompt_tokens)
   else:
-    policy = jax_policy(config, learner.model, tokenizer, mesh, constraint)
-  return GRPOStep(learner, policy, rollout_settings(config), constraint)
+    policy = jax_policy(rollout, learner.model, tokenizer, mesh, constraint)
+  return GRPOStep(learner, policy, rollout_settings(rollout, rl), constraint)
 
 
-def rollout_prompter(config: Any, encoder: Encoder, policy: ChatPolicy
-                     ) -> PolicyPrompter:
+def rollout_prompter(rollout: RolloutConfig, encoder: Encoder,
+                     policy: ChatPolicy) -> PolicyPrompter:
   """The policy's prompt in training (rollouts, validation, policy-built
   snapshots, the demo's responses): `rollout.retrieval_top_k` entries per
   type, trimmed to the policy's prompt budget (`rollout.max_prompt_tokens`)
   as evaluation's `policy` builder trims to its model's."""
-  return PolicyPrompter(encoder, config.rollout.retrieval_top_k,
-                        policy.prompt_fits)
+  return PolicyPrompter(encoder, rollout.retrieval_top_k, policy.prompt_fits)
 
 
 def _is_abstract(model: Qwen3) -> bool:
@@ -293,28 +366,7 @@ def _is_abstract(model: Qwen3) -> bool:
              for x in jax.tree.leaves(nnx.state(model)))
 
 
-def _check_buckets(c) -> None:
-  """Prompts are left-padded to `rollout.buckets` (ascending; the largest
-  must hold `rollout.max_prompt_tokens`, or a valid prompt is refused
-  mid-run). vLLM may take none: its rows then reach the learner padded to
-  the batch's longest prompt (a train step compiled per length)."""
-  buckets, longest = c.get("rollout.buckets"), c.get(
-      "rollout.max_prompt_tokens")
-  if not isinstance(buckets, (tuple, list)) or not all(
-      isinstance(b, int) and b > 0 for b in buckets) or list(
-          buckets) != sorted(set(buckets)):
-    c.problems.append(f"rollout.buckets={buckets!r}: must be ascending "
-                      "positive token counts")
-  elif not buckets:
-    if c.get("rollout.engine") != "vllm":
-      c.problems.append("rollout.buckets=(): the JAX engine needs buckets "
-                        "(one compiled sampler per bucket)")
-  elif isinstance(longest, int) and buckets[-1] < longest:
-    c.problems.append(f"rollout.buckets={tuple(buckets)}: the largest must "
-                      f"hold rollout.max_prompt_tokens={longest}")
-
-
-def training_dialogues(dataset: Any) -> list[Dialogue]:
+def training_dialogues(dataset: DatasetConfig) -> list[Dialogue]:
   """The dialogues a training job reads from its `dataset` section (its
   split, the first `dialogues` of them; 0 = all)."""
   return load_configured(dataset, "train")[:dataset.dialogues or None]
@@ -344,17 +396,16 @@ def _training_sessions(dialogues: list[Dialogue], weights) -> list[SessionRef]:
   return refs
 
 
-def plan_sessions(config: Any, dialogues: list[Dialogue]
+def plan_sessions(rl: RLConfig, seed: int, dialogues: list[Dialogue]
                   ) -> tuple[list[SessionRef], Curriculum]:
   """(the held-out validation sessions, the curriculum of the others): what
   a training config trains on, from its `rl` section and `seed` alone (no
   model), as `Trainer` plans it."""
-  rl = config.rl
   sessions = _training_sessions(dialogues, tuple(rl.curriculum_weights))
   # Held-out sessions, fixed by the seed, never in a training batch: the
   # validation curve (`rl.eval_every`).
   validation, sessions = split_validation(sessions, rl.validation_sessions,
-                                          config.seed)
+                                          seed)
   return validation, Curriculum(sessions, rl.sessions_per_batch,
                                 rl.curriculum_tiers, max(1, rl.epochs))
 
@@ -367,7 +418,7 @@ def _mean_terms(terms) -> dict[str, float]:
   return {f"reward/{k}": float(np.mean(v)) for k, v in sums.items()}
 
 
-def scoring_needs_device(encoder: Encoder, memory: Any) -> bool:
+def scoring_needs_device(encoder: Encoder, memory: MemoryConfig) -> bool:
   """Whether scoring a wave runs programs on the chips
   (`rl.IncrementalReward.needs_device`): an in-process encoder embeds the
   new entries and the questions (`Encoder.on_device`; an encoder that
@@ -395,7 +446,7 @@ class SessionReward:
     self.needs_device = trainer.scoring_needs_device
     self.failures_before = sum(trainer.qa.failures.values())
     self.edits: collections.Counter[str] = collections.Counter()
-    self.scorer = RolloutScorer(trainer.encoder, trainer.config.memory,
+    self.scorer = RolloutScorer(trainer.encoder, trainer.memory,
                                 trainer.qa, trainer.reward, trainer.editors,
                                 self.edits)
     self.rows = 0  # Rows added so far.
@@ -416,7 +467,7 @@ class SessionReward:
     failures = sum(trainer.qa.failures.values()) - self.failures_before
     # Before the update: a step whose QA calls failed past the accepted
     # rate is not trained on.
-    trainer._check_qa_failures(trainer.loop["step"] + 1, self.episodes,
+    trainer._check_qa_failures(trainer.loop.step + 1, self.episodes,
                                terms, self.failures_before)
     width = rollouts.output.tokens.shape[1]
     weights = np.stack([
@@ -435,16 +486,18 @@ class Trainer:
   """The CMI-Mem training loop around the GRPO `Learner`; rollouts come
   from `self.policy` (a `ChatPolicy` over the JAX sampler or vLLM)."""
 
-  def __init__(self, config, workdir: str):
-    validate_config(config, required=("dataset", "encoder", "memory",
-                                      "reward", "policy", "rollout", "rl",
-                                      "qa"))
-    if config.rollout.engine == "vllm":
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    sections = validate_config(config, required=TRAINING_SECTIONS)
+    self.run_config = sections[RunConfig]
+    self.rollout, self.rl = sections[RolloutConfig], sections[RLConfig]
+    self.memory = sections[MemoryConfig]
+    encoder_config = sections[EncoderConfig]
+    policy_config = sections[PolicyConfig]
+    if self.rollout.engine == "vllm":
       import_vllm()  # Fails fast, with the install hint, where it is absent.
     # The Semantic SKIP thresholds of this encoder (refused before anything
     # loads when it has none: tools/skip_calibration.py first).
-    reward_config = calibrated(RewardConfig.from_config(config.reward),
-                               config.encoder)
+    reward_config = calibrated(sections[RewardConfig], encoder_config)
     # Freed step / decode buffers leave the resident set at once (a JAX
     # CPU device's memory is this process's heap).
     return_large_blocks()
@@ -452,9 +505,10 @@ class Trainer:
     self.config, self.workdir = config, workdir
     # What can refuse the inputs (the mesh, the dataset, the held-out
     # split) runs before the workdir exists: a refused run leaves none.
-    self.mesh = make_mesh(config.mesh)
-    self.dialogues = training_dialogues(config.dataset)
-    self.validation, self.curriculum = plan_sessions(config, self.dialogues)
+    self.mesh = make_mesh(sections[MeshConfig].mesh)
+    self.dialogues = training_dialogues(sections[DatasetConfig])
+    self.validation, self.curriculum = plan_sessions(
+        self.rl, self.run_config.seed, self.dialogues)
     # One writer per workdir (process 0 writes for a multi-host job).
     self.lock = WorkdirLock(workdir, "train")
     if jax.process_index() == 0:
@@ -462,25 +516,27 @@ class Trainer:
     storage.makedirs(workdir)
     if jax.process_index() == 0:
       write_config(config, workdir)
-    self.encoder = make_encoder(config.encoder)
-    model, tokenizer = load_policy_and_tokenizer(config.policy)
-    if config.policy.init_checkpoint:  # The KL reference starts here too.
-      load_model_weights(model, config.policy.init_checkpoint)
-    needed = config.rollout.max_prompt_tokens + config.rollout.max_new_tokens
+    self.encoder = make_encoder(encoder_config)
+    model, tokenizer = load_policy_and_tokenizer(policy_config)
+    if policy_config.init_checkpoint:  # The KL reference starts here too.
+      load_model_weights(model, policy_config.init_checkpoint)
+    needed = self.rollout.max_prompt_tokens + self.rollout.max_new_tokens
     if needed > model.config.max_position_embeddings:
       raise ValueError(
           f"rollout.max_prompt_tokens + max_new_tokens = {needed} exceeds the "
           f"policy's max_position_embeddings "
           f"{model.config.max_position_embeddings}")
-    self.group = config.rollout.num_rollouts
-    self.grpo = grpo_step(config, model, tokenizer, self.mesh, workdir)
+    self.group = self.rollout.num_rollouts
+    self.grpo = grpo_step(sections, model, tokenizer, self.mesh, workdir)
     self.learner, self.policy = self.grpo.learner, self.grpo.policy
-    self.prompter = rollout_prompter(config, self.encoder, self.policy)
+    self.prompter = rollout_prompter(self.rollout, self.encoder, self.policy)
     self.constraint = self.grpo.constraint
-    self.total_steps = config.rl.max_steps or self.curriculum.planned_steps
-    self.checkpointer = Checkpointer.for_workdir(workdir, config.checkpoint)
-    self.key = jax.random.key(config.seed)
-    self.loop = {"step": 0, "snapshot_version": 0, "snapshot_epoch": 0}
+    self.total_steps = self.rl.max_steps or self.curriculum.planned_steps
+    self.checkpoint_config = sections[CheckpointConfig]
+    self.checkpointer = Checkpointer.for_workdir(workdir,
+                                                 self.checkpoint_config)
+    self.key = jax.random.key(self.run_config.seed)
+    self.loop = LoopState()
     # The last step's rollouts, one record each (with `rl.log_rollouts`).
     self.rollout_records: list[dict[str, Any]] = []
     restored = self.checkpointer.restore(self.learner.params,
@@ -488,7 +544,8 @@ class Trainer:
     if restored is not None:
       self.learner.params = restored.params
       self.learner.opt_state = restored.opt_state
-      self.key, self.loop = restored.rng, restored.loop_state
+      self.key = restored.rng
+      self.loop = LoopState.from_saved(restored.loop_state)
       self.policy.set_model(self.learner.model)
       logging.info("resumed from step %d (skipped unreadable: %s)",
                    restored.step, restored.skipped)
@@ -501,33 +558,33 @@ class Trainer:
       reference = self.learner.reference_model
       profile_lm = PolicyProfileLM(
           ChatPolicy.jax(reference, tokenizer,
-                         config.rollout.max_prompt_tokens,
-                         tuple(config.rollout.buckets), self.mesh,
-                         decode_devices=config.rollout.decode_devices),
+                         self.rollout.max_prompt_tokens,
+                         tuple(self.rollout.buckets), self.mesh,
+                         decode_devices=self.rollout.decode_devices),
           lambda: reference, reward_config.profile_max_new_tokens,
-          config.rl.logprob_chunk)
+          self.rl.logprob_chunk)
     self.reward = RewardComputer(self.encoder, reward_config, profile_lm)
-    self.qa = QAReward.from_config(config, self.encoder)
+    self.qa_config = sections[QAConfig]
+    self.qa = QAReward.from_config(self.qa_config, self.memory, self.encoder)
     self.editors = memory_editors(
-        config.memory, {"policy": self.policy, "answer": self.qa.answerer})
+        self.memory, {"policy": self.policy, "answer": self.qa.answerer})
     self.scoring_needs_device = scoring_needs_device(self.encoder,
-                                                     config.memory)
-    self.fixed_snapshots = config.rl.snapshots != "policy"
+                                                     self.memory)
+    self.fixed_snapshots = self.rl.snapshots != "policy"
     if self.fixed_snapshots:
       self.snapshots = load_expert_snapshots(
-          config.rl.snapshots, self.dialogues, encoder_identity(config.encoder))
+          self.rl.snapshots, self.dialogues, encoder_identity(encoder_config))
     else:
-      self.snapshots = self._snapshots(self.loop["snapshot_version"])
+      self.snapshots = self._snapshots(self.loop.snapshot_version)
     # The teacher's responses (fixed expert states only): the length
     # penalty's reference (`reward.length_reference`).
-    self.expert = (expert_responses(config.rl.snapshots)
+    self.expert = (expert_responses(self.rl.snapshots)
                    if self.fixed_snapshots else {})
 
   # -- snapshots -------------------------------------------------------------
 
   def _respond(self, conversations):
-    return self.policy.respond(conversations,
-                               self.config.rollout.max_new_tokens)
+    return self.policy.respond(conversations, self.rollout.max_new_tokens)
 
   def _snapshots(self, version: int):
     directory = storage.join(self.workdir, "snapshots", f"v{version}")
@@ -535,7 +592,7 @@ class Trainer:
     if banks is None:
       start = time.perf_counter()
       banks = build_snapshots(self.dialogues, self._respond, self.prompter,
-                              self.encoder, self.config.memory, self.editors)
+                              self.encoder, self.memory, self.editors)
       save_snapshots(directory, banks)
       logging.info("built snapshots v%d in %.1f s", version,
                    time.perf_counter() - start)
@@ -557,7 +614,7 @@ class Trainer:
     texts = self._respond([self.prompter(e.bank, e.session)
                            for e in episodes])
     _, terms = score_rollouts(episodes, texts, 1, self.encoder,
-                              self.config.memory, self.qa, self.reward,
+                              self.memory, self.qa, self.reward,
                               self.editors)
     return {"eval/reward": float(np.mean([t.reward for t in terms])),
             "eval/qa": float(np.mean([t.qa for t in terms])),
@@ -573,14 +630,14 @@ class Trainer:
   # -- one step --------------------------------------------------------------
 
   def step(self) -> dict[str, Any]:
-    step = self.loop["step"]
+    step = self.loop.step
     epoch = self.curriculum.epoch(step)
-    refresh = self.config.rl.snapshot_refresh_epochs
+    refresh = self.rl.snapshot_refresh_epochs
     if not self.fixed_snapshots and refresh and epoch > 0 and (
-        epoch % refresh == 0) and self.loop["snapshot_epoch"] != epoch:
-      self.loop["snapshot_version"] += 1
-      self.loop["snapshot_epoch"] = epoch
-      self.snapshots = self._snapshots(self.loop["snapshot_version"])
+        epoch % refresh == 0) and self.loop.snapshot_epoch != epoch:
+      self.loop.snapshot_version += 1
+      self.loop.snapshot_epoch = epoch
+      self.snapshots = self._snapshots(self.loop.snapshot_version)
     # An asynchronous checkpoint save that finished since the last step
     # left its host copies' blocks in the heap (`Checkpointer.wait`).
     release_free_heap()
@@ -592,11 +649,11 @@ class Trainer:
     result = self.grpo(prompts, key, self.session_reward(episodes))
     metrics = result.metrics
     metrics.update(
-        epoch=epoch, snapshot_version=self.loop["snapshot_version"],
+        epoch=epoch, snapshot_version=self.loop.snapshot_version,
         sessions=[f"{self.dialogues[r.dialogue].dialogue_id}/{r.session}"
                   for r in refs])
     terms, texts = result.scores.details, result.rollouts.texts
-    self.rollout_records = [] if not self.config.rl.log_rollouts else [
+    self.rollout_records = [] if not self.rl.log_rollouts else [
         {"session": metrics["sessions"][i // self.group],
          "session_id": episodes[i // self.group].session.session_id,
          "rollout": i % self.group, "advantage": float(result.advantages[i]),
@@ -605,7 +662,7 @@ class Trainer:
              t.semantic_skip_statement_cosines),
          "response": text}
         for i, (t, text) in enumerate(zip(terms, texts))]
-    self.loop["step"] = step + 1
+    self.loop.step = step + 1
     return metrics
 
   def _check_qa_failures(self, step: int, episodes: list[Episode],
@@ -616,7 +673,7 @@ class Trainer:
     accepts. Only valid rollouts' banks are asked their questions."""
     failed = sum(self.qa.failures.values()) - failures_before
     if failed:
-      qa = self.config.qa
+      qa = self.qa_config
       asked = sum(len(episodes[row // self.group].questions)
                   for row, t in enumerate(terms) if t.valid)
       check_failures(
@@ -633,11 +690,11 @@ class Trainer:
     return SessionReward(self, episodes)
 
   def save_checkpoint(self) -> None:
-    step = self.loop["step"]
+    step = self.loop.step
     if step not in self.checkpointer.steps():
       self.checkpointer.save(step, self.learner.params,
                              self.learner.opt_state, self.key,
-                             dict(self.loop))
+                             dataclasses.asdict(self.loop))
 
   def run(self, stop: StopSignals | None = None,
           echo: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
@@ -649,11 +706,11 @@ class Trainer:
     next step boundary with a checkpoint and `config.Interrupted`.
     """
     writer = MetricsWriter(self.workdir, self.total_steps,
-                           tensorboard=self.config.tensorboard,
-                           start_step=self.loop["step"],
+                           tensorboard=self.run_config.tensorboard,
+                           start_step=self.loop.step,
                            progress=False if echo else None,
-                           rollouts=self.config.rl.log_rollouts)
-    every = self.config.checkpoint.every_steps
+                           rollouts=self.rl.log_rollouts)
+    every = self.checkpoint_config.every_steps
     history = []
     with contextlib.ExitStack() as stack:
       stack.callback(writer.close)
@@ -670,22 +727,22 @@ class Trainer:
       if echo:
         resumed = (f" (resumed from {self.resumed_from})"
                    if self.resumed_from else "")
-        echo(f"training: steps {self.loop['step'] + 1}..{self.total_steps}"
-             + resumed if self.loop["step"] < self.total_steps else
+        echo(f"training: steps {self.loop.step + 1}..{self.total_steps}"
+             + resumed if self.loop.step < self.total_steps else
              f"training: steps done, all {self.total_steps}{resumed}")
-      while self.loop["step"] < self.total_steps:
-        if stop.requested(self.loop["step"], self.checkpointer.manager):
+      while self.loop.step < self.total_steps:
+        if stop.requested(self.loop.step, self.checkpointer.manager):
           self.save_checkpoint()
           self.checkpointer.wait()
-          raise Interrupted(stop.message(self.loop["step"]), stop.signum)
+          raise Interrupted(stop.message(self.loop.step), stop.signum)
         metrics = self.step()
-        step = self.loop["step"]
-        eval_every = self.config.rl.eval_every
+        step = self.loop.step
+        eval_every = self.rl.eval_every
         if self.validation and eval_every and (step % eval_every == 0
                                                or step == self.total_steps):
           metrics.update(self.validate())
         writer.write(step, metrics)
-        if self.config.rl.log_rollouts:
+        if self.rl.log_rollouts:
           writer.write_rollouts(step, self.rollout_records)
         history.append(metrics)
         line = (f"step {step}/{self.total_steps}: reward "
@@ -731,9 +788,9 @@ def train(config, workdir: str,
   after = loop.greedy_response(demo_ref)
   history = read_metrics(workdir)  # Every step, resumed runs too.
   before = before_path.read_text()
-  written = [written_memory(demo, text, loop.encoder, config.memory)
+  written = [written_memory(demo, text, loop.encoder, loop.memory)
              for text in (before, after)]
-  facts = json.dumps({"steps": loop.loop["step"],
+  facts = json.dumps({"steps": loop.loop.step,
                       "resumed_from": loop.resumed_from,
                       "wall_s": round(time.perf_counter() - start, 1)})
   started_from = (f"the warm start in {config.policy.init_checkpoint}"

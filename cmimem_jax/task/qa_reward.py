@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-from collections.abc import Sequence
-from typing import Any, Protocol
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import ClassVar, Protocol
 
 import numpy as np
 
 from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
-from cmimem_jax.config import qa_chunk_budget
+from cmimem_jax.config import (Section, Sections, finite_number, need,
+                               positive_int, qa_chunk_budget)
 from cmimem_jax.data.types import Dialogue, Question
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.evaluation.answering import (JudgedAnswer, MemoryContext,
                                              answer_and_judge)
 from cmimem_jax.evaluation.judges import LLMJudge, context_recall
 from cmimem_jax.memory.bank import MemoryBank
+from cmimem_jax.memory.builder import MemoryConfig
 from cmimem_jax.memory.retrieval import DEFAULT_CHUNK_BUDGET_CHARS
 from cmimem_jax.memory.types import MemoryType
 
@@ -59,6 +62,39 @@ class PendingQA:
     return (float(np.mean(scores)) if scores else 0.0), self._counts
 
 
+QA_JUDGES = ("context_recall", "llm")
+
+
+@dataclasses.dataclass(frozen=True)
+class QAConfig(Section):
+  """The training job's `qa` section: how `r_QA` judges a rollout's
+  memory (`QAReward`)."""
+
+  SECTION: ClassVar[str] = "qa"
+
+  judge: str                     # One of QA_JUDGES.
+  top_k: int                     # Retrieved fragments per question.
+  prompt: str                    # The LLM judge's prompt (`LLMJudge`).
+  answer: EndpointConfig         # The answer model (judge="llm").
+  judge_endpoint: EndpointConfig
+  max_failure_rate: float        # Unjudged questions a step accepts.
+
+  def invalid(self) -> Iterator[str]:
+    yield from need(self, "judge", lambda v: v in QA_JUDGES,
+                    "context_recall or llm")
+    yield from need(self, "top_k", positive_int, "a positive integer")
+    yield from need(self, "max_failure_rate",
+                    lambda v: finite_number(v, 0.0, 1.0), "in [0, 1]")
+
+  def invalid_with(self, sections: Sections) -> Iterator[str]:
+    memory = sections.get(MemoryConfig)
+    for key in ("compressor", "merge_summarizer"):
+      if memory is not None and getattr(memory, key) == "answer" and (
+          self.judge != "llm"):
+        yield (f"memory.{key}='answer' needs qa.judge='llm' (the answer "
+               "model is its endpoint)")
+
+
 class QAReward:
   """`r_QA`: fraction of the session's QA pairs answered from `M_t`
   (Alg. 2 contexts), with `context_recall` or an LLM answer + judge; also
@@ -82,17 +118,17 @@ class QAReward:
     self.failures: collections.Counter[str] = collections.Counter()
 
   @classmethod
-  def from_config(cls, config: Any, encoder: Encoder) -> QAReward:
+  def from_config(cls, qa: QAConfig, memory: MemoryConfig,
+                  encoder: Encoder) -> QAReward:
     """The training job's `r_QA` (`qa` and `memory` sections): the judge,
     top-k, and the LookupChunk budget (0 under `memory.source_chunks =
     False`, the RM ablation)."""
     answerer = judge = None
-    if config.qa.judge == "llm":
-      answerer = OpenAIClient(EndpointConfig.from_config(config.qa.answer))
-      judge = LLMJudge(OpenAIClient(EndpointConfig.from_config(
-          config.qa.judge_endpoint)), config.qa.prompt)
-    return cls(encoder, config.qa.judge, config.qa.top_k,
-               qa_chunk_budget(config.memory), answerer, judge)
+    if qa.judge == "llm":
+      answerer = OpenAIClient(qa.answer)
+      judge = LLMJudge(OpenAIClient(qa.judge_endpoint), qa.prompt)
+    return cls(encoder, qa.judge, qa.top_k, qa_chunk_budget(memory),
+               answerer, judge)
 
   def __call__(self, bank: MemoryBank, episode: QASession) -> QAResult:
     return self.submit(bank, episode).wait()

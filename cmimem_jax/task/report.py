@@ -10,6 +10,7 @@ from typing import Any
 
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.memory.bank import MemoryBank
+from cmimem_jax.memory.builder import MemoryConfig
 from cmimem_jax.memory.dsl import parse
 from cmimem_jax.task.episode import Episode, apply_to_copy
 
@@ -64,7 +65,7 @@ def memory_changes(before: MemoryBank, after: MemoryBank,
 
 
 def written_memory(episode: Episode, response: str, encoder: Encoder,
-                   memory: Any, max_lines: int = 6) -> list[str]:
+                   memory: MemoryConfig, max_lines: int = 6) -> list[str]:
   """The memory a response writes for `episode`'s session, as readable
   lines (`memory_changes` of M_{t-1} -> M_t), or why it was rejected."""
   parsed = parse(response)

@@ -31,7 +31,8 @@ import collections
 import dataclasses
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import ClassVar
 
 import ml_collections
 import numpy as np
@@ -40,7 +41,7 @@ from cmimem_jax.cmi.conditioning import ConditioningConfig
 from cmimem_jax.cmi.estimator import (BankOperations, CMIEstimator,
                                       OperationTexts)
 from cmimem_jax.cmi.logprob import ProfileLM, profile_messages
-from cmimem_jax.config import register_section
+from cmimem_jax.config import Section, need
 from cmimem_jax.data.fragments import user_statements
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.memory.bank import MemoryBank, embed_texts
@@ -62,7 +63,7 @@ LENGTH_REFERENCES = ("expert", "absolute")
 
 
 @dataclasses.dataclass(frozen=True)
-class RewardConfig:
+class RewardConfig(Section):
   """Every constant of SPEC §4.3-4.4 (defaults: Table 7, App. D)."""
   alpha: float = 0.3
   shaping: str = "gaussian"  # "gaussian" | "none" (ablation: raw s)
@@ -118,57 +119,43 @@ class RewardConfig:
   skip_calibration: str = ""
   attribution_weight: float = 4.0
 
-  def __post_init__(self):
-    for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{field.name} must be finite, got {value}")
-    if min(self.length_weight, self.intra_duplicate_weight,
-           self.cross_duplicate_weight, self.core_specificity_weight,
-           self.semantic_skip_bonus, self.attribution_weight) < 0:
-      raise ValueError("penalty, bonus and attribution weights must be >= 0")
-    if self.shaping not in ("gaussian", "none"):
-      raise ValueError(f"shaping must be 'gaussian' or 'none', got "
-                       f"{self.shaping!r}")
-    if self.estimator not in ESTIMATORS:
-      raise ValueError(f"estimator must be one of {ESTIMATORS}, got "
-                       f"{self.estimator!r}")
-    if not 0.0 <= self.alpha <= 1.0:
-      raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
-    if self.sigma <= 0 or self.lam <= 0:
-      raise ValueError("sigma and lam must be positive")
-    if self.length_reference not in LENGTH_REFERENCES:
-      raise ValueError(f"length_reference must be one of "
-                       f"{LENGTH_REFERENCES}, got {self.length_reference!r}")
+  SECTION: ClassVar[str] = "reward"
+
+  def invalid(self) -> Iterator[str]:
+    for key in ("length_weight", "intra_duplicate_weight",
+                "cross_duplicate_weight", "core_specificity_weight",
+                "semantic_skip_bonus", "attribution_weight"):
+      yield from need(self, key, lambda v: v >= 0,
+                      ">= 0 (a penalty, bonus or attribution weight)")
+    yield from need(self, "shaping", lambda v: v in ("gaussian", "none"),
+                    "'gaussian' or 'none'")
+    yield from need(self, "estimator", lambda v: v in ESTIMATORS,
+                    f"one of {ESTIMATORS}")
+    yield from need(self, "alpha", lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+    for key in ("sigma", "lam", "chars_per_token"):
+      yield from need(self, key, lambda v: v > 0, "> 0")
+    yield from need(self, "entry_min_diff_tokens", lambda v: v >= 0, ">= 0")
+    yield from need(self, "length_reference",
+                    lambda v: v in LENGTH_REFERENCES,
+                    f"one of {LENGTH_REFERENCES}")
     if not (0 < self.entry_ratio_floor < self.entry_ratio_low
             <= self.entry_ratio_high < self.entry_ratio_ceiling):
-      raise ValueError("entry ratios must satisfy 0 < floor < low <= high "
-                       "< ceiling")
-    if self.chars_per_token <= 0 or self.entry_min_diff_tokens < 0:
-      raise ValueError("chars_per_token must be > 0 and "
-                       "entry_min_diff_tokens >= 0")
+      yield ("entry_ratio_floor, entry_ratio_low, entry_ratio_high, "
+             "entry_ratio_ceiling: must satisfy 0 < floor < low <= high < "
+             "ceiling")
     if (self.semantic_skip_cosine is None) != (
         self.semantic_skip_coverage is None):
-      raise ValueError("semantic_skip_cosine and semantic_skip_coverage are "
-                       "set together (a calibration) or not at all")
-    if self.semantic_skip_cosine is not None and not (
-        0 < self.semantic_skip_cosine <= 1
-        and 0 <= self.semantic_skip_coverage <= 1):
-      raise ValueError("need 0 < semantic_skip_cosine <= 1 and 0 <= "
-                       "semantic_skip_coverage <= 1")
+      yield ("semantic_skip_cosine, semantic_skip_coverage: set together (a "
+             "calibration) or not at all")
+    elif self.semantic_skip_cosine is not None:
+      yield from need(self, "semantic_skip_cosine",
+                      lambda v: 0 < v <= 1, "in (0, 1]")
+      yield from need(self, "semantic_skip_coverage",
+                      lambda v: 0 <= v <= 1, "in [0, 1]")
 
   @property
   def skip_calibrated(self) -> bool:
     return self.semantic_skip_cosine is not None
-
-  @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict) -> RewardConfig:
-    """Builds from a `reward` config section (see `reward_defaults`)."""
-    values = dict(config)
-    conditioning = ConditioningConfig(**dict(values.pop("conditioning")))
-    patterns = tuple(values.pop("generic_core_patterns"))
-    return cls(conditioning=conditioning, generic_core_patterns=patterns,
-               **values)
 
 
 def reward_defaults() -> ml_collections.ConfigDict:
@@ -736,18 +723,3 @@ def _token_weights_any_order(
       if overlap > best:
         best, weights[t] = overlap, weight
   return weights
-
-
-def _check_reward(c) -> None:
-  try:
-    config = RewardConfig.from_config(c.config.reward)
-  except (TypeError, ValueError) as e:
-    c.problems.append(f"reward: {e}")
-    return
-  conditioning = config.conditioning
-  if conditioning.top_k < 1 or conditioning.n_recent < 0:
-    c.problems.append("reward.conditioning: top_k must be >= 1 and "
-                      "n_recent >= 0")
-
-
-register_section("reward", _check_reward)

@@ -23,7 +23,8 @@ from typing import Any
 
 from cmimem_jax.config import ConfigError
 from cmimem_jax.data.files import write_atomic
-from cmimem_jax.encoders import encoder_identity
+from cmimem_jax.encoders import EncoderConfig, encoder_identity
+from cmimem_jax.task.reward import RewardConfig
 
 PACKAGED_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                               "skip_calibration.json")
@@ -58,8 +59,9 @@ def write_entry(path: str, entry: dict[str, Any]) -> None:
   write_atomic(path, json.dumps({"entries": entries}, indent=1) + "\n")
 
 
-def calibrated(reward: Any, encoder_config: Any) -> Any:
-  """`reward` (a `RewardConfig`) with the coverage thresholds of
+def calibrated(reward: RewardConfig, encoder_config: EncoderConfig
+               ) -> RewardConfig:
+  """`reward` with the coverage thresholds of
   `encoder_config`'s encoder from its table, unless it sets them itself.
 
   Raises:

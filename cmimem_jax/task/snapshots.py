@@ -29,7 +29,7 @@ from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.evaluation.builders import CallFailed
 from cmimem_jax.memory.apply import MemoryEditors
 from cmimem_jax.memory.bank import MemoryBank
-from cmimem_jax.memory.builder import Responder
+from cmimem_jax.memory.builder import MemoryConfig, Responder
 from cmimem_jax.memory.dsl import ParsedResponse, parse
 from cmimem_jax.memory.prompt_builder import PolicyPrompter
 from cmimem_jax.memory.types import MemoryType
@@ -43,7 +43,7 @@ TEACHER_LOG = "teacher.jsonl"
 
 def build_snapshots(dialogues: Sequence[Dialogue],
                     respond: Callable[[list[Messages]], list[str]],
-                    prompter: PolicyPrompter, encoder: Encoder, memory: Any,
+                    prompter: PolicyPrompter, encoder: Encoder, memory: MemoryConfig,
                     editors: MemoryEditors = MemoryEditors()
                     ) -> list[list[MemoryBank]]:
   """`M_{t-1}` for every session of every dialogue, built by running the
@@ -133,7 +133,7 @@ def _resume_point(directory: str, dialogue: Dialogue,
 
 
 def build_expert_snapshots(dialogues: Sequence[Dialogue], respond: Responder,
-                           encoder: Encoder, memory: Any, directory: str,
+                           encoder: Encoder, memory: MemoryConfig, directory: str,
                            settings: dict[str, Any],
                            editors: MemoryEditors = MemoryEditors()
                            ) -> dict[str, int]:

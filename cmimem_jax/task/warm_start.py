@@ -20,39 +20,42 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, ClassVar
 
 import jax
+import ml_collections
 import numpy as np
 from absl import logging
 
 from cmimem_jax import storage
 from cmimem_jax.client import ChatModel, PromptFits
-from cmimem_jax.config import (Interrupted, finite_number,
-                               register_section, validate_config,
-                               write_config)
+from cmimem_jax.config import (Interrupted, Section, location_problem, need,
+                               positive_int, validate_config, write_config)
 from cmimem_jax.data.files import WorkdirLock, write_atomic
 from cmimem_jax.data.types import Dialogue, Session
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.evaluation.builders import policy_responder
 from cmimem_jax.memory.bank import MemoryBank
-from cmimem_jax.memory.builder import Responder, build_bank
+from cmimem_jax.memory.builder import MemoryConfig, Responder, build_bank
 from cmimem_jax.memory.dsl import ParsedResponse, render, rendered_response
 from cmimem_jax.memory.extractive import ResponseFits, extractive_operations
 from cmimem_jax.memory.prompt_builder import PolicyPrompter
 from cmimem_jax.memory.types import MemoryType, Operation
 from cmimem_jax.models.host_memory import return_large_blocks
-from cmimem_jax.parallel import batch_divisor, make_mesh
+from cmimem_jax.parallel import MeshConfig, batch_divisor, make_mesh
 from cmimem_jax.rl.checkpoint import metrics_follow_checkpoints
-from cmimem_jax.rl import (Checkpointer, Learner, MetricsWriter,
+from cmimem_jax.rl import (CheckpointConfig, Checkpointer, Learner,
+                           MetricsWriter,
                            OptimizerConfig, SFTLossConfig, StopSignals,
                            TrainStepConfig, supervised_batch)
-from cmimem_jax.sampling import (bucket_length, encode_chat,
+from cmimem_jax.sampling import (PolicyConfig, bucket_length, encode_chat,
                                  load_policy_and_tokenizer)
 from cmimem_jax.task.build_memory import annotation_responder
+from cmimem_jax.task.loop import RunConfig
 
 _TYPE_ORDER = {t: i for i, t in enumerate(MemoryType)}
 
@@ -71,7 +74,7 @@ def canonical_response(response: ParsedResponse) -> str:
 
 
 def trajectories(dialogue: Dialogue, encoder: Encoder, respond: Responder,
-                 memory: Any, top_k: int, source: str,
+                 memory: MemoryConfig, top_k: int, source: str,
                  fits: PromptFits | None = None
                  ) -> tuple[list[dict[str, Any]], int]:
   """Runs `respond` through `dialogue`'s sessions (each response applied
@@ -98,7 +101,7 @@ def trajectories(dialogue: Dialogue, encoder: Encoder, respond: Responder,
 
 def teacher_trajectories(dialogues: Iterable[Dialogue], encoder: Encoder,
                          responder: Callable[[Dialogue], Responder],
-                         memory: Any, top_k: int, source: str,
+                         memory: MemoryConfig, top_k: int, source: str,
                          fits: PromptFits | None = None
                          ) -> tuple[list[dict[str, Any]], int]:
   """`trajectories` of every dialogue, `responder(dialogue)` the teacher
@@ -114,7 +117,7 @@ def teacher_trajectories(dialogues: Iterable[Dialogue], encoder: Encoder,
 
 
 def annotation_trajectories(dialogues: Iterable[Dialogue], encoder: Encoder,
-                            memory: Any, top_k: int,
+                            memory: MemoryConfig, top_k: int,
                             fits: PromptFits | None = None
                             ) -> tuple[list[dict[str, Any]], int]:
   """Teacher = LoCoMo's observation / event_summary annotations."""
@@ -161,33 +164,53 @@ def write_jsonl(path: str, records: Sequence[dict[str, Any]]) -> None:
   write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
-def _check_sft(c) -> None:
-  for name in ("batch_size", "micro_batches", "epochs",
-               "max_prompt_tokens", "max_response_tokens"):
-    c.check(f"sft.{name}", lambda v: isinstance(v, int) and v > 0,
-            "a positive integer")
-  c.check("sft.max_steps", lambda v: isinstance(v, int) and v >= 0,
-          "an int >= 0 (0: epochs decide)")
-  c.check("sft.learning_rate", lambda v: finite_number(v) and v > 0,
-          "a finite number > 0")
-  for name in ("weight_decay", "grad_clip_norm"):
-    c.check(f"sft.{name}", lambda v: finite_number(v, 0.0),
-            "a finite number >= 0")
-  c.check("sft.buckets", lambda v: len(v) > 0 and all(
-      isinstance(b, int) and b > 0 for b in v), "positive prompt lengths")
-  buckets, longest = c.get("sft.buckets"), c.get("sft.max_prompt_tokens")
-  if isinstance(longest, int) and isinstance(buckets, (tuple, list)) and (
-      buckets and max(buckets) < longest):
-    c.problems.append(f"sft.buckets {tuple(buckets)} must reach "
-                      f"sft.max_prompt_tokens={longest}")
-  c.check("sft.trim_retrieved", lambda v: isinstance(v, bool),
-          "True or False (teacher prompts over sft.max_prompt_tokens "
-          "written with fewer retrieved entries)")
-  c.check_location("sft.data", "an existing JSONL file "
-                   "(python -m tools.make_sft_data writes one)")
+@dataclasses.dataclass(frozen=True)
+class SFTConfig(Section):
+  """The `sft` section: the warm start's supervised run (`run_sft`)."""
+
+  SECTION: ClassVar[str] = "sft"
+
+  data: str                  # The JSONL of (messages, response) records.
+  batch_size: int
+  micro_batches: int
+  epochs: int
+  max_steps: int             # 0: `epochs` decide.
+  learning_rate: float
+  warmup_steps: int
+  weight_decay: float
+  grad_clip_norm: float
+  max_prompt_tokens: int
+  max_response_tokens: int
+  # Teacher prompts over `max_prompt_tokens` are written with fewer
+  # retrieved entries.
+  trim_retrieved: bool
+  buckets: tuple[int, ...]   # Prompt lengths; the largest holds the longest.
+  logprob_chunk: int
+
+  def invalid(self) -> Iterator[str]:
+    for name in ("batch_size", "micro_batches", "epochs",
+                 "max_prompt_tokens", "max_response_tokens", "logprob_chunk"):
+      yield from need(self, name, positive_int, "a positive integer")
+    yield from need(self, "max_steps", lambda v: v >= 0,
+                    "an int >= 0 (0: epochs decide)")
+    yield from need(self, "warmup_steps", lambda v: v >= 0, ">= 0")
+    yield from need(self, "learning_rate", lambda v: v > 0, "> 0")
+    for name in ("weight_decay", "grad_clip_norm"):
+      yield from need(self, name, lambda v: v >= 0, ">= 0")
+    yield from need(self, "buckets", lambda v: len(v) > 0 and all(
+        b > 0 for b in v), "positive prompt lengths")
+    if self.buckets and max(self.buckets) < self.max_prompt_tokens:
+      yield (f"buckets {self.buckets} must reach "
+             f"sft.max_prompt_tokens={self.max_prompt_tokens}")
+    problem = location_problem("data", self.data, "an existing JSONL file "
+                               "(python -m tools.make_sft_data writes one)")
+    if problem:
+      yield problem
 
 
-register_section("sft", _check_sft)
+# What `run_sft` reads.
+SFT_SECTIONS = (RunConfig, MeshConfig, PolicyConfig, SFTConfig,
+                CheckpointConfig)
 
 
 def _examples(path: str, tokenizer: Any, max_prompt: int, max_response: int
@@ -211,24 +234,25 @@ def _examples(path: str, tokenizer: Any, max_prompt: int, max_response: int
   return examples, too_long
 
 
-def run_sft(config, workdir: str,
+def run_sft(config: ml_collections.ConfigDict, workdir: str,
             echo: Callable[[str], None] | None = None
             ) -> list[dict[str, Any]]:
   """Trains (or resumes) the warm start in `workdir`; returns this run's
   metrics. The batch of step s is a pure function of s and the seed.
   `echo` (e.g. `print`) receives one line per step instead of the
   progress bar."""
-  validate_config(config, required=("policy", "sft"))
+  sections = validate_config(config, required=SFT_SECTIONS)
   lock = WorkdirLock(workdir, "sft")
   if jax.process_index() == 0:
     lock.acquire()
   storage.makedirs(workdir)
   if jax.process_index() == 0:
     write_config(config, workdir)
-  sft = config.sft
+  sft, run = sections[SFTConfig], sections[RunConfig]
+  checkpoint = sections[CheckpointConfig]
   return_large_blocks()  # As `loop.Trainer`: freed buffers leave the RSS.
-  mesh = make_mesh(config.mesh)
-  model, tokenizer = load_policy_and_tokenizer(config.policy)
+  mesh = make_mesh(sections[MeshConfig].mesh)
+  model, tokenizer = load_policy_and_tokenizer(sections[PolicyConfig])
   examples, too_long = _examples(sft.data, tokenizer, sft.max_prompt_tokens,
                                  sft.max_response_tokens)
   if too_long:
@@ -253,8 +277,8 @@ def run_sft(config, workdir: str,
                     mesh)
   steps_per_epoch = len(examples) // rows
   total = sft.max_steps or sft.epochs * steps_per_epoch
-  checkpointer = Checkpointer.for_workdir(workdir, config.checkpoint)
-  key = jax.random.key(config.seed)
+  checkpointer = Checkpointer.for_workdir(workdir, checkpoint)
+  key = jax.random.key(run.seed)
   restored = checkpointer.restore(learner.params, learner.opt_state, key)
   step = 0
   if restored is not None:
@@ -262,7 +286,7 @@ def run_sft(config, workdir: str,
     step = restored.step
   buckets = tuple(sft.buckets)
   pad = int(tokenizer.pad_token_id or 0)
-  writer = MetricsWriter(workdir, total, tensorboard=config.tensorboard,
+  writer = MetricsWriter(workdir, total, tensorboard=run.tensorboard,
                          start_step=step, progress=False if echo else None)
   history = []
 
@@ -283,7 +307,7 @@ def run_sft(config, workdir: str,
         save(epoch)
         checkpointer.wait()
         raise Interrupted(stop.message(step), stop.signum)
-      order = np.random.default_rng([config.seed, epoch]).permutation(
+      order = np.random.default_rng([run.seed, epoch]).permutation(
           len(examples))
       chosen = [examples[i] for i in order[position * rows:
                                            (position + 1) * rows]]
@@ -301,7 +325,7 @@ def run_sft(config, workdir: str,
       if echo:
         echo(f"warm start step {step}/{total}: nll {metrics['nll']:.4f} "
              f"({metrics['wall_s']:.1f} s)")
-      if step % config.checkpoint.every_steps == 0 or step == total:
+      if step % checkpoint.every_steps == 0 or step == total:
         save(epoch)
   return history
 

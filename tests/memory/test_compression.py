@@ -9,6 +9,7 @@ import pytest
 
 from cmimem_jax.client import CallResult
 from cmimem_jax.config import ConfigError, memory_defaults, validate_config
+from cmimem_jax.memory.builder import MemoryConfig
 from cmimem_jax.data import Session, Turn
 from cmimem_jax.encoders import HashingEncoder
 from cmimem_jax.memory import MemoryBank, parse
@@ -186,19 +187,20 @@ def test_an_external_endpoint_summarises_merges():
 
 def test_the_external_summariser_is_validated():
   config = ml_collections.ConfigDict({"memory": _external("http://h/v1")})
-  validate_config(config, required=("memory",))
+  validate_config(config, required=(MemoryConfig,))
   for changes, message in (({"base_url": "h:8000"}, "base_url"),
                            ({"model": ""}, "summarizer_endpoint.model"),
-                           ({"retries": 2}, "unknown endpoint settings")):
+                           ({"retries": 2}, "memory.summarizer_endpoint."
+                                            "retries: unknown setting")):
     bad = ml_collections.ConfigDict({"memory": _external("http://h/v1")})
     bad.memory.summarizer_endpoint.update(changes)
     with pytest.raises(ConfigError, match=message):
-      validate_config(bad, required=("memory",))
+      validate_config(bad, required=(MemoryConfig,))
   # Only MERGE has an external summariser (Listing 5 names none).
   bad = ml_collections.ConfigDict({"memory": _with(memory_defaults(),
                                                    compressor="external")})
   with pytest.raises(ConfigError, match="memory.compressor"):
-    validate_config(bad, required=("memory",))
+    validate_config(bad, required=(MemoryConfig,))
 
 
 class ScriptedEngine:

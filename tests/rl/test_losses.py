@@ -153,18 +153,18 @@ def test_log_ratio_clamp_keeps_far_tokens_finite():
 
 
 def test_clip_options_are_validated_and_read_from_config():
-  with pytest.raises(ValueError, match="clip_ratio_c must be 0"):
+  with pytest.raises(ValueError, match="clip_ratio_c=1.0: must be 0"):
     GRPOLossConfig(clip_ratio_c=1.0)
-  with pytest.raises(ValueError, match="kl_clamp must be >= 0"):
+  with pytest.raises(ValueError, match="kl_clamp=-1.0: must be >= 0"):
     GRPOLossConfig(kl_clamp=-1.0)
   from cmimem_jax.config import ConfigError, validate_config
-  from cmimem_jax.task.loop import grpo_loss_config
+  from cmimem_jax.task.loop import RLConfig
   from configs import tiny
   config = tiny.get_config()
   config.rl.update({"clip_ratio_c": 0.0, "log_ratio_clamp": 5.0})
-  loss = grpo_loss_config(config.rl)
+  loss = RLConfig.from_config(config.rl).loss_config()
   assert (loss.clip_ratio_c, loss.log_ratio_clamp, loss.kl_clamp) == (
       0.0, 5.0, 10.0)
   config.rl.clip_ratio_c = 0.5
-  with pytest.raises(ConfigError, match="clip_ratio_c must be 0"):
-    validate_config(config, required=("rl",))
+  with pytest.raises(ConfigError, match=r"rl.clip_ratio_c=0.5: must be 0"):
+    validate_config(config, required=(RLConfig,))

@@ -18,7 +18,7 @@ from cmimem_jax.memory import (Action, MemoryBank, MemoryType, Operation,
 from cmimem_jax.sampling import encode_chat, load_tokenizer
 from cmimem_jax.sampling.policy import ChatPolicy
 from cmimem_jax.sampling.sampler import SampleOutput
-from cmimem_jax.task.loop import rollout_prompter
+from cmimem_jax.task.loop import RolloutConfig, rollout_prompter
 from configs import eval_cpu, tiny
 
 RESPONSE = "CORE:APPEND|Owns Rex\nEPISODIC:SKIP\nSEMANTIC:SKIP\nPROCEDURAL:SKIP"
@@ -98,7 +98,8 @@ def test_training_and_evaluation_give_byte_identical_prompts(bank, encoder):
   full_long, _ = PolicyPrompter(encoder, top_k).fitted(bank, LONG)
   assert length(full_long) > budget  # The long session must be trimmed.
   policy = RecordingPolicy(tokenizer, budget)
-  prompter = rollout_prompter(training, encoder, policy)
+  prompter = rollout_prompter(RolloutConfig.from_config(training.rollout),
+                              encoder, policy)
   respond = policy_responder(policy, encoder, evaluation.memory.build_top_k)
   empty = MemoryBank("u", encoder.dim)
   for session_bank, session in ((empty, SHORT), (bank, SHORT), (bank, LONG)):

@@ -11,11 +11,12 @@ from cmimem_jax.config import apply_overrides
 from cmimem_jax.data import bundled_path, load_dataset
 from cmimem_jax.encoders import HashingEncoder
 from cmimem_jax.evaluation.judges import context_recall
-from cmimem_jax.evaluation.run import context_provider
+from cmimem_jax.evaluation.run import EvaluationConfig, context_provider
 from cmimem_jax.memory import Action, MemoryBank, MemoryType, Operation
 from cmimem_jax.memory.apply import apply_operations
+from cmimem_jax.memory.builder import MemoryConfig
 from cmimem_jax.task.episode import Episode, session_questions
-from cmimem_jax.task.qa_reward import QAReward
+from cmimem_jax.task.qa_reward import QAConfig, QAReward
 from configs import eval_cpu, tiny
 
 ENCODER = HashingEncoder(64)
@@ -45,7 +46,8 @@ def test_source_chunks_reach_the_training_qa_reward(case, source_chunks,
   dialogue, session, questions, bank = case
   config = apply_overrides(tiny.get_config(),
                            {"memory.source_chunks": source_chunks})
-  qa = QAReward.from_config(config, ENCODER)
+  qa = QAReward.from_config(QAConfig.from_config(config.qa),
+                           MemoryConfig.from_config(config.memory), ENCODER)
   score, _ = qa(bank, Episode(dialogue, session, MemoryBank("x", 64),
                               questions))
   assert score == expected
@@ -59,8 +61,10 @@ def test_source_chunks_reach_the_evaluation_context(case, tmp_path,
   config = apply_overrides(eval_cpu.get_config(), {
       "method": "policy", "memory.source_chunks": source_chunks})
   bank.save(str(tmp_path / "banks" / "policy" / dialogue.dialogue_id))
-  provider = context_provider(dialogue, ENCODER, config, str(tmp_path), None,
-                              collections.Counter())
+  provider = context_provider(
+      dialogue, ENCODER, EvaluationConfig.from_config(config),
+      MemoryConfig.from_config(config.memory), str(tmp_path), None,
+      collections.Counter())
   contexts = provider.many(questions)
   assert [context_recall(q, c.context) for q, c in zip(questions, contexts)
           ] == [expected] * len(questions)

@@ -293,7 +293,7 @@ def test_the_trainers_reward_scores_waves_as_one_step(step):
 
   from cmimem_jax.memory.apply import MemoryEditors
   from cmimem_jax.rl import Rollouts
-  from cmimem_jax.task.loop import SessionReward
+  from cmimem_jax.task.loop import LoopState, SessionReward
   episodes, texts = step
   group, computer = 4, RewardComputer(ENCODER)
   # One token a character.
@@ -306,8 +306,8 @@ def test_the_trainers_reward_scores_waves_as_one_step(step):
                               computer)
     trainer = SimpleNamespace(
         scoring_needs_device=False, qa=qa, encoder=ENCODER,
-        config=SimpleNamespace(memory=MEMORY), reward=computer,
-        editors=MemoryEditors(), loop={"step": 0},
+        memory=MEMORY, reward=computer,
+        editors=MemoryEditors(), loop=LoopState(),
         _check_qa_failures=lambda *args: None,
         policy=SimpleNamespace(decode=lambda t: "".join(map(chr, t)),
                                decode_each=None))
