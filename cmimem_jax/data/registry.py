@@ -63,8 +63,9 @@ class DatasetConfig(Section):
   def invalid(self) -> Iterator[str]:
     yield from need(self, "name", lambda v: v in LOADERS,
                     f"one of {tuple(LOADERS)}")
-    problem = location_problem("path", self.path, "an existing file (see "
-                               "README for where the benchmarks live)")
+    problem = location_problem(
+        "path", self.path, "an existing file (see docs/design.md#data for "
+        "where the benchmarks live)")
     if problem:
       yield problem
     yield from need(self, "split", lambda v: v in DATASET_SPLITS,
