@@ -601,13 +601,15 @@ def _run(args, config, model_config, chip: Chip, layout: dict[str, int],
            f"{rl.sessions_per_batch} per step)")
   concurrencies = ([int(c) for c in args.concurrency.split(",")]
                    if args.concurrency else [0])
+  from cmimem_jax.task.qa_reward import QAConfig
   runs = []
-  llm = config.qa.judge == "llm"
+  qa = QAConfig.from_config(config.qa)
+  llm = qa.judge == "llm"
   beside = rollout.score_beside_decoding
   waves = layout["waves"]
   for concurrency in concurrencies:
-    rounds = endpoint_rounds(config, rollouts, QA_PER_SESSION, concurrency)
-    answer_c, judge_c = endpoint_concurrency(config, concurrency)
+    rounds = endpoint_rounds(qa, rollouts, QA_PER_SESSION, concurrency)
+    answer_c, judge_c = endpoint_concurrency(qa, concurrency)
     shape = RunShape(sessions, max(1, rl.epochs), rl.sessions_per_batch,
                      rl.max_steps, rollout.num_rollouts, rl.micro_batches,
                      completion, waves, QA_PER_SESSION if llm else 0,
