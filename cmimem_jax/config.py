@@ -167,16 +167,6 @@ class Section:
 _S = TypeVar("_S", bound=Section)
 
 
-def as_section(kind: type[_S], section: Any, path: str | None = None) -> _S:
-  """`section` as a `kind`: itself when it already is one (what
-  `validate_config` built), else built from its ml_collections section
-  (raising `ConfigError` on a problem): a library function called with a
-  raw section (a test, a tool) reads the same typed fields."""
-  if isinstance(section, kind):
-    return section
-  return kind.from_config(section, path=path)
-
-
 def unchecked(cls: type[_S], **values: Any) -> _S:
   """A `cls` of `values` built without `__post_init__` (which raises at
   the first problem), so its `invalid` can list them all."""

@@ -119,6 +119,7 @@ from ml_collections import config_flags
 
 from cmimem_jax.config import (define_command_line_flags, run_command,
                                validate_config)
+from cmimem_jax.encoders import EncoderConfig
 from cmimem_jax.task.scoring_rounds import (endpoint_concurrency,
                                             endpoint_rounds,
                                             scoring_after_decoding)
@@ -757,10 +758,11 @@ def trainer_step(config, mesh, preset_name: str = "", checkpoint: str = "",
   """
   from cmimem_jax.models.qwen3 import Qwen3Config, preset
   from cmimem_jax.models.qwen3.params import abstract_model
-  from cmimem_jax.sampling.policy import policy_runtime, random_policy_config
+  from cmimem_jax.sampling.policy import (PolicyConfig, policy_runtime,
+                                          random_policy_config)
   from cmimem_jax.task.loop import GRPO_STEP_SECTIONS, grpo_step
   config = config.copy_and_resolve_references()
-  policy = config.policy
+  policy = PolicyConfig.from_config(config.policy)
   runtime = policy_runtime(policy)
   if layers:
     runtime["num_hidden_layers"] = layers
@@ -846,7 +848,7 @@ def first_device(mesh):
       (1,) * mesh.devices.ndim), mesh.axis_names)
 
 
-def plan_encoder(encoder, mesh, layers: int = 0):
+def plan_encoder(encoder: EncoderConfig, mesh, layers: int = 0):
   """The trainer's in-process encoder (`encoders.make_encoder` of the
   config's `encoder` section: Qwen3-Embedding, loaded as `load_hf` loads
   it, on the default device) over abstract weights on `mesh`'s first
@@ -1027,7 +1029,8 @@ def main(argv: list[str]) -> list[dict]:
     # Forward + backward (x2), the remat re-forward, the reference forward.
     passes = (3 + (model_config.remat != "none")
               + step.learner.config.loss.uses_reference)
-    encoder = (plan_encoder(config.encoder, mesh, args.layers)
+    encoder = (plan_encoder(EncoderConfig.from_config(config.encoder), mesh,
+                            args.layers)
                if "encoder" in names else None)
     if args.run:
       layout = run_layout(config, len(devices), step.engine.row_shards)

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from cmimem_jax import storage
 from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
-from cmimem_jax.config import (Section, Sections, as_section, need,
+from cmimem_jax.config import (Section, Sections, need,
                                positive_int, validate_config)
 from cmimem_jax.data import (DatasetConfig, Dialogue, Question, WorkdirLock,
                              configured_split, load_configured, path_under,
@@ -160,7 +160,6 @@ def make_chat_model(section: ChatModelConfig,
                     constraint_regex: str | None = None) -> ChatModel:
   """An answer/builder model from its config section; a local model
   decodes matches of `constraint_regex` only, when given."""
-  section = as_section(ChatModelConfig, section)
   if section.kind == "endpoint":
     return OpenAIClient(section.endpoint)
   # The Flax model pulls in the model stack: import only when asked.
