@@ -113,13 +113,13 @@ import sys
 import time
 import types
 
+import ml_collections
 import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
 from cmimem_jax.config import (define_command_line_flags, run_command,
                                validate_config)
-from cmimem_jax.encoders import EncoderConfig
 from cmimem_jax.task.scoring_rounds import (endpoint_concurrency,
                                             endpoint_rounds,
                                             scoring_after_decoding)
@@ -848,11 +848,13 @@ def first_device(mesh):
       (1,) * mesh.devices.ndim), mesh.axis_names)
 
 
-def plan_encoder(encoder: EncoderConfig, mesh, layers: int = 0):
+def plan_encoder(encoder: ml_collections.ConfigDict, mesh, layers: int = 0):
   """The trainer's in-process encoder (`encoders.make_encoder` of the
   config's `encoder` section: Qwen3-Embedding, loaded as `load_hf` loads
   it, on the default device) over abstract weights on `mesh`'s first
-  device; SystemExit for an encoder that runs no program of ours."""
+  device; SystemExit for an encoder that runs no program of ours. The
+  raw section, not an `EncoderConfig`: its `path` (a checkpoint the plan
+  never reads) need not exist here."""
   import jax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -1029,8 +1031,7 @@ def main(argv: list[str]) -> list[dict]:
     # Forward + backward (x2), the remat re-forward, the reference forward.
     passes = (3 + (model_config.remat != "none")
               + step.learner.config.loss.uses_reference)
-    encoder = (plan_encoder(EncoderConfig.from_config(config.encoder), mesh,
-                            args.layers)
+    encoder = (plan_encoder(config.encoder, mesh, args.layers)
                if "encoder" in names else None)
     if args.run:
       layout = run_layout(config, len(devices), step.engine.row_shards)
