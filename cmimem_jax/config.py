@@ -131,11 +131,13 @@ class Section:
     writes (`evaluation.run.result_settings`), so it stays byte-identical
     for the same config. A section built directly holds every field."""
     given = getattr(self, _GIVEN, None)
-    names = sorted(f.name for f in dataclasses.fields(self)
-                   if given is None or f.name in given)
-    return {name: (value.as_config_dict() if isinstance(value, Section)
-                   else value)
-            for name in names for value in (getattr(self, name),)}
+    held = {}
+    for name in sorted(f.name for f in dataclasses.fields(self)):
+      if given is None or name in given:
+        value = getattr(self, name)
+        held[name] = (value.as_config_dict() if isinstance(value, Section)
+                      else value)
+    return held
 
   @classmethod
   def from_config(cls: type[_S], section: Any,
