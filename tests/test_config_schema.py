@@ -3,6 +3,7 @@ checked by `validate_config`, which collects every problem of every
 section into one `ConfigError` (one line each, naming `section.key`)."""
 
 import importlib
+import json
 import pathlib
 
 import ml_collections
@@ -185,7 +186,13 @@ def test_every_config_file_validates_for_its_entry_points(name, tmp_path):
                   not kind.SECTION and all(
                       f in config for f in kind.__dataclass_fields__))]
   assert required
-  validate_config(config, required=required)
+  sections = validate_config(config, required=required)
+  # Each section as the config holds it, as JSON (what settings files
+  # record: lists for tuples).
+  for kind in required:
+    if kind.SECTION:
+      assert json.loads(json.dumps(sections[kind].as_config_dict())) == (
+          json.loads(json.dumps(config[kind.SECTION].to_dict())))
 
 
 def test_the_loop_state_is_the_checkpoints_json():
