@@ -124,6 +124,21 @@ class Section:
     del sections
     return iter(())
 
+  def as_config_dict(self) -> dict[str, Any]:
+    """This section as its ml_collections section's `to_dict()` held it:
+    keys sorted, nested sections as dicts, and a field its config left
+    out (at its default) left out: what a file recording a job's settings
+    writes (`evaluation.run.result_settings`), so it stays byte-identical
+    for the same config. A section built directly holds every field."""
+    given = getattr(self, _GIVEN, None)
+    held = {}
+    for name in sorted(f.name for f in dataclasses.fields(self)):
+      if given is None or name in given:
+        value = getattr(self, name)
+        held[name] = (value.as_config_dict() if isinstance(value, Section)
+                      else value)
+    return held
+
   @classmethod
   def from_config(cls: type[_S], section: Any,
                   problems: list[str] | None = None,
@@ -152,16 +167,6 @@ class Section:
 
 
 _S = TypeVar("_S", bound=Section)
-
-
-def as_section(kind: type[_S], section: Any, path: str | None = None) -> _S:
-  """`section` as a `kind`: itself when it already is one (what
-  `validate_config` built), else built from its ml_collections section
-  (raising `ConfigError` on a problem): a library function called with a
-  raw section (a test, a tool) reads the same typed fields."""
-  if isinstance(section, kind):
-    return section
-  return kind.from_config(section, path=path)
 
 
 def unchecked(cls: type[_S], **values: Any) -> _S:
@@ -218,6 +223,8 @@ def _build(cls: type[_S], section: Any, path: str,
     if values.get(name, _INVALID) is _INVALID:
       values[name] = NOT_SET
   built = unchecked(cls, **values)
+  object.__setattr__(built, _GIVEN,
+                     frozenset(name for name in fields if name in section))
   try:
     for line in built.invalid():
       problems.append(_key(path, line))
@@ -230,6 +237,9 @@ def _build(cls: type[_S], section: Any, path: str,
 
 
 _INVALID = object()
+# The attribute of a built section naming the fields its config gave
+# (`Section.as_config_dict`); not a field: equality ignores it.
+_GIVEN = "_config_keys"
 
 
 def _typed(value: Any, hint: Any, path: str, problems: list[str]) -> Any:
@@ -397,12 +407,6 @@ def memory_defaults() -> ml_collections.ConfigDict:
       "compress_max_tokens": 1536,
       "merge_max_tokens": 1024,
   })
-
-
-def qa_chunk_budget(memory: ml_collections.ConfigDict) -> int:
-  """Characters of source turns `LookupChunk` may add to a QA context
-  (0 when `memory.source_chunks` is off)."""
-  return memory.chunk_budget_chars if memory.source_chunks else 0
 
 
 def define_command_line_flags(workdir: bool = True,

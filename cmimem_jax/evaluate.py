@@ -16,8 +16,9 @@ import json
 
 from absl import app, flags
 
-from cmimem_jax.config import check_failures, run_command
-from cmimem_jax.evaluation.run import evaluate, failed_endpoints
+from cmimem_jax.config import check_failures, run_command, validate_config
+from cmimem_jax.evaluation.run import (EVALUATION_SECTIONS, evaluate,
+                                       failed_endpoints)
 
 flags.DEFINE_float("max_failure_rate", 0.0,
                    "Exit 0 although up to this fraction of the questions "
@@ -30,7 +31,9 @@ def main(argv: list[str]) -> None:
     raise app.UsageError("--workdir is required")
   if not 0.0 <= flags.FLAGS.max_failure_rate <= 1.0:
     raise app.UsageError("--max_failure_rate must be in [0, 1]")
-  result = evaluate(flags.FLAGS.config, flags.FLAGS.workdir)
+  sections = validate_config(flags.FLAGS.config,
+                             required=EVALUATION_SECTIONS)
+  result = evaluate(sections, flags.FLAGS.workdir)
   print(json.dumps({k: result[k] for k in ("dataset", "method", "judge",
                                            "overall", "by_category", "n",
                                            "failures", "missing")},
@@ -39,7 +42,7 @@ def main(argv: list[str]) -> None:
                  result["n"] + result["missing"],
                  flags.FLAGS.max_failure_rate,
                  f"questions could not be scored: calls to "
-                 f"{failed_endpoints(flags.FLAGS.config, result)}",
+                 f"{failed_endpoints(sections, result)}",
                  "results.json holds the others; a rerun redoes only them")
 
 

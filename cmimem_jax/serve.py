@@ -17,8 +17,8 @@ import sys
 
 from absl import flags
 
-from cmimem_jax.config import run_command
-from cmimem_jax.serving import Server
+from cmimem_jax.config import run_command, validate_config
+from cmimem_jax.serving import SERVE_SECTIONS, Server
 
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port (0: any free port).")
@@ -45,8 +45,9 @@ def main(argv: list[str]) -> None:
   # uvicorn captures SIGTERM while serving and re-raises it, after the
   # drain, to the handler installed before it started: this one.
   signal.signal(signal.SIGTERM, _say_stopped_then_end)
+  sections = validate_config(flags.FLAGS.config, required=SERVE_SECTIONS)
   try:
-    server = Server(flags.FLAGS.config, _HOST.value, _PORT.value, _progress,
+    server = Server(sections, _HOST.value, _PORT.value, _progress,
                     lambda url: print(f"ready at {url}", flush=True))
     print(f"listening at {server.base_url}: warming up "
           f"{len(server.programs)} programs (/health answers 503 until "

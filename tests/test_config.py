@@ -180,7 +180,7 @@ def test_the_4b_hardware_configs_embed_the_same_query_text(tmp_path):
     section = module.get_config().encoder
     if section.kind == "qwen3_embedding":
       section.path = _tiny_qwen3_embedding(tmp_path / "emb")
-    encoder = make_encoder(section)
+    encoder = make_encoder(EncoderConfig.from_config(section))
     texts = []
     if section.kind == "openai":
       encoder.client.embed = lambda batch: (  # noqa: E731

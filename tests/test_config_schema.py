@@ -3,6 +3,7 @@ checked by `validate_config`, which collects every problem of every
 section into one `ConfigError` (one line each, naming `section.key`)."""
 
 import importlib
+import json
 import pathlib
 
 import ml_collections
@@ -10,7 +11,7 @@ import pytest
 
 from cmimem_jax.config import ConfigError, validate_config
 from cmimem_jax.data import DatasetConfig, bundled_path
-from cmimem_jax.encoders import EncoderConfig
+from cmimem_jax.encoders import ENCODERS, EncoderConfig
 from cmimem_jax.evaluation.run import (EVALUATION_SECTIONS,
                                        AnswerModelConfig, BuilderModelConfig,
                                        EvaluationConfig, JudgeConfig)
@@ -18,12 +19,15 @@ from cmimem_jax.memory.builder import MemoryConfig
 from cmimem_jax.parallel import MeshConfig
 from cmimem_jax.rl import CheckpointConfig
 from cmimem_jax.sampling import PolicyConfig
+from cmimem_jax.serving import SERVE_SECTIONS, ServeConfig, ServeRunConfig
+from cmimem_jax.task.build_memory import (BUILD_MEMORY_SECTIONS,
+                                          BuildMemoryConfig)
 from cmimem_jax.task.loop import (TRAINING_SECTIONS, LoopState, RLConfig,
                                   RolloutConfig, RunConfig)
 from cmimem_jax.task.qa_reward import QAConfig
 from cmimem_jax.task.reward import RewardConfig
 from cmimem_jax.task.warm_start import SFT_SECTIONS, SFTConfig
-from configs import default, eval_cpu
+from configs import build_memory, default, eval_cpu, serve_cpu
 
 # (section type, dotted field, a bad value) for every section: one field
 # each, the value of the right type but out of range or not a choice.
@@ -44,7 +48,14 @@ BAD_FIELDS = [
     (JudgeConfig, "judge.prompt", "listing12"),
     (AnswerModelConfig, "answer.kind", "human"),
     (BuilderModelConfig, "builder.kind", "none"),
+    (ServeConfig, "serve.max_batch", 0),
+    (ServeRunConfig, "seed", "zero"),
+    (BuildMemoryConfig, "policy", "oracle"),
 ]
+# Every entry point's sections.
+ALL_SECTIONS = (set(TRAINING_SECTIONS) | set(SFT_SECTIONS)
+                | set(EVALUATION_SECTIONS) | set(SERVE_SECTIONS)
+                | set(BUILD_MEMORY_SECTIONS))
 
 
 def _training() -> ml_collections.ConfigDict:
@@ -54,6 +65,13 @@ def _training() -> ml_collections.ConfigDict:
 
 
 def _config_for(kind: type) -> ml_collections.ConfigDict:
+  if kind in (ServeConfig, ServeRunConfig):
+    return serve_cpu.get_config()
+  if kind is BuildMemoryConfig:
+    config = build_memory.get_config()
+    config.dataset.path = bundled_path()
+    config.dataset.name = "longmemeval"
+    return config
   return (eval_cpu.get_config() if kind in EVALUATION_SECTIONS
           and kind not in TRAINING_SECTIONS else _training())
 
@@ -88,8 +106,7 @@ def test_one_bad_field_is_one_problem_naming_it(kind, field, value):
 
 
 def test_every_section_has_a_bad_field_case():
-  training = set(TRAINING_SECTIONS) | set(SFT_SECTIONS)
-  assert {k for k, _, _ in BAD_FIELDS} == training | set(EVALUATION_SECTIONS)
+  assert {k for k, _, _ in BAD_FIELDS} == ALL_SECTIONS
 
 
 def test_bad_fields_of_several_sections_are_reported_together():
@@ -163,14 +180,19 @@ def test_every_config_file_validates_for_its_entry_points(name, tmp_path):
     config.sft.data = bundled_path()
   if "mesh" in config and config.mesh == "fsdp:8":
     config.mesh = "fsdp:-1"  # The H20 machine's 8 GPUs; 8 CPUs here.
-  required = [kind for kind in set(TRAINING_SECTIONS) | set(SFT_SECTIONS)
-              | set(EVALUATION_SECTIONS)
+  required = [kind for kind in ALL_SECTIONS
               if isinstance(config.get(kind.SECTION),
                             ml_collections.ConfigDict) or (
                   not kind.SECTION and all(
                       f in config for f in kind.__dataclass_fields__))]
   assert required
-  validate_config(config, required=required)
+  sections = validate_config(config, required=required)
+  # Each section as the config holds it, as JSON (what settings files
+  # record: lists for tuples).
+  for kind in required:
+    if kind.SECTION:
+      assert json.loads(json.dumps(sections[kind].as_config_dict())) == (
+          json.loads(json.dumps(config[kind.SECTION].to_dict())))
 
 
 def test_the_loop_state_is_the_checkpoints_json():
@@ -186,3 +208,17 @@ def test_the_loop_state_is_the_checkpoints_json():
   assert LoopState.from_saved({"step": 2}) == LoopState(step=2)
   with pytest.raises(ValueError, match="unknown keys"):
     LoopState.from_saved({**saved, "data_position": 3})
+
+
+def test_build_memory_refuses_a_model_editor_with_the_other_problems():
+  """`build_memory` runs no chat model: a memory editor that needs one is
+  a problem of its own, collected with a bad field elsewhere."""
+  config = _config_for(BuildMemoryConfig)
+  config.memory.compressor = "policy"
+  config.encoder.kind = "word2vec"
+  problems = _problems(config, BUILD_MEMORY_SECTIONS)
+  assert sorted(problems) == [
+      "encoder.kind='word2vec': must be one of "
+      f"{ENCODERS}",
+      "memory.compressor='policy': build_memory runs no chat model; use "
+      "'none'"]

@@ -13,6 +13,7 @@ import pytest
 from cmimem_jax.models.qwen3 import preset
 from cmimem_jax.rl.step import GRPOStep, RolloutSettings
 from cmimem_jax.task.curriculum import Curriculum, SessionRef
+from cmimem_jax.task.qa_reward import QAConfig
 from cmimem_jax.task.scoring_rounds import (call_rounds, endpoint_rounds,
                                             scoring_after_decoding)
 from cmimem_jax.testing import run_tool
@@ -318,11 +319,13 @@ def test_run_layout_sessions_and_endpoint_rounds_of_the_paper_configs():
     plan.run_sessions(_config("default.py"), 0)
   # 256 rollouts x 5 questions, 8 in flight, the last verdicts a round
   # later; the slower endpoint decides; --concurrency sets both.
-  assert endpoint_rounds(tpu, 256, 5) == 160 + 1
+  assert endpoint_rounds(QAConfig.from_config(tpu.qa), 256, 5) == 160 + 1
   tpu.qa.answer.concurrency = 2
-  assert endpoint_rounds(tpu, 256, 5) == 640 + 1
-  assert endpoint_rounds(tpu, 256, 5, concurrency=32) == 40 + 1
-  assert endpoint_rounds(_config("tiny.py"), 256, 5) == 0
+  tpu_qa = QAConfig.from_config(tpu.qa)
+  assert endpoint_rounds(tpu_qa, 256, 5) == 640 + 1
+  assert endpoint_rounds(tpu_qa, 256, 5, concurrency=32) == 40 + 1
+  assert endpoint_rounds(QAConfig.from_config(_config("tiny.py").qa),
+                         256, 5) == 0
   # The learner's rows per shared prompt (what the plan costs the update
   # with): a session's 8 rollouts split into micro-batches x chips
   # (rl.shared_prompt_group's rule).

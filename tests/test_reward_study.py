@@ -11,17 +11,18 @@ from cmimem_jax.config import memory_defaults
 from cmimem_jax.encoders import HashingEncoder
 from cmimem_jax.memory import Action, MemoryBank, MemoryType, Operation
 from cmimem_jax.memory.apply import apply_operations
-from cmimem_jax.memory.builder import build_bank
+from cmimem_jax.memory.builder import MemoryConfig, build_bank
 from cmimem_jax.task.build_memory import annotation_responder
 from tools import reward_study, skip_calibration
 
 ENCODER = HashingEncoder(128)
+MEMORY = MemoryConfig.from_config(memory_defaults())
 
 
 def test_classes_are_built_as_stated(locomo_dialogues):
   dialogue, other = locomo_dialogues[0], locomo_dialogues[1]
   _, _, steps = build_bank(dialogue, ENCODER, annotation_responder(dialogue),
-                           memory_defaults())
+                           MEMORY)
   t = 3
   bank = steps[t].bank_before
   cands = reward_study.candidates(dialogue, other, t, bank, 4,
@@ -109,7 +110,7 @@ def test_skip_cases_are_built_as_stated(locomo_dialogues):
   from cmimem_jax.task.reward import RewardComputer, RewardConfig
   from cmimem_jax.data.fragments import user_statements
   dialogue, other = locomo_dialogues[0], locomo_dialogues[1]
-  built = skip_calibration.cases(dialogue, other, ENCODER, memory_defaults())
+  built = skip_calibration.cases(dialogue, other, ENCODER, MEMORY)
   by_session = {}
   for label, t, rollout in built:
     by_session.setdefault(t, {})[label] = rollout

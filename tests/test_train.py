@@ -121,7 +121,7 @@ def test_logged_reward_terms_equal_direct_computation(tmp_path):
     qa, counts = 0.0, None
     if response.valid:
       after = apply_to_copy(episode.bank, episode.session, response,
-                            loop.encoder, config.memory)
+                            loop.encoder, loop.memory)
       provider = MemoryContext(after, episode.dialogue, loop.encoder,
                                config.qa.top_k)
       contexts = [provider(q) for q in episode.questions]
@@ -371,7 +371,7 @@ def test_logprob_estimator_scores_with_the_frozen_reference(tmp_path):
       str(tmp_path))
   episode = loop.episode(loop.curriculum.batch(0)[0])
   after = apply_to_copy(episode.bank, episode.session, parse(RESPONSES[0]),
-                        loop.encoder, loop.config.memory)
+                        loop.encoder, loop.memory)
   context = episode.session.format()[:300]
   before_msgs = [profile_messages(episode.bank, context)]
   after_msgs = [profile_messages(after, context)]

@@ -91,23 +91,24 @@ def build(config, output: str, teacher, teacher_name: str,
   dialogues = training_dialogues(sections[DatasetConfig])
   failures: collections.Counter[str] = collections.Counter()
   top_k = sections[RolloutConfig].retrieval_top_k
+  memory, dataset = sections[MemoryConfig], sections[DatasetConfig]
   respond = (agents_responder(teacher, encoder, top_k,
-                              config.memory.core_cap_chars, failures,
+                              memory.core_cap_chars, failures,
                               raise_on_failure=True)
              if answer_format == "agents" else
              policy_responder(teacher, encoder, top_k, failures,
                               raise_on_failure=True))
   # The teacher stands in for the policy (and any answer model) when the
   # memory settings ask a model to compress the core or summarise merges.
-  editors = memory_editors(config.memory, {"policy": teacher,
-                                           "answer": teacher})
-  settings = {"encoder": encoder_identity(config.encoder),
-              "memory": config.memory.to_dict(),
+  editors = memory_editors(memory, {"policy": teacher, "answer": teacher})
+  # As the config held them (`as_config_dict`): a resumed build compares.
+  settings = {"encoder": encoder_identity(sections[EncoderConfig]),
+              "memory": memory.as_config_dict(),
               "teacher": {"model": teacher_name, "format": answer_format},
-              "dataset": {"name": config.dataset.name,
-                          "file": os.path.abspath(config.dataset.path),
-                          "split": config.dataset.get("split", "")}}
-  counts = build_expert_snapshots(dialogues, respond, encoder, config.memory,
+              "dataset": {"name": dataset.name,
+                          "file": os.path.abspath(dataset.path),
+                          "split": dataset.split}}
+  counts = build_expert_snapshots(dialogues, respond, encoder, memory,
                                   output, settings, editors)
   return {"output": output, **counts, "failed_calls": dict(failures)}
 

@@ -181,7 +181,7 @@ def check_grpo_step(small: bool) -> dict:
   from cmimem_jax.parallel import make_mesh
   from cmimem_jax.rl import Scores
   from cmimem_jax.sampling import load_tokenizer
-  from cmimem_jax.sampling.policy import random_policy_config
+  from cmimem_jax.sampling.policy import PolicyConfig, random_policy_config
   from cmimem_jax.config import validate_config
   from cmimem_jax.task.loop import GRPO_STEP_SECTIONS, grpo_step
   from configs import qwen3_4b_tpu, tiny
@@ -198,7 +198,8 @@ def check_grpo_step(small: bool) -> dict:
     if jax.default_backend() == "cpu":
       config.policy.dtype = "float32"
   tokenizer = load_tokenizer("")
-  model = Qwen3(random_policy_config(config.policy, len(tokenizer)),
+  model = Qwen3(random_policy_config(PolicyConfig.from_config(config.policy),
+                                    len(tokenizer)),
                 rngs=nnx.Rngs(0))
   config.rl.snapshots = "policy"  # No snapshots are loaded here.
   step = grpo_step(validate_config(config, GRPO_STEP_SECTIONS), model,

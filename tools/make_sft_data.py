@@ -27,16 +27,16 @@ from __future__ import annotations
 import collections
 import json
 
-import ml_collections
 from absl import app, flags
 
 from cmimem_jax.client import EndpointConfig, OpenAIClient
 from cmimem_jax.config import (CallsFailed, check_failures, memory_defaults,
                                run_command)
 from cmimem_jax.data import load_dataset
-from cmimem_jax.encoders import make_encoder
-from cmimem_jax.sampling import (load_tokenizer, policy_tokenizer_path,
-                                 token_budget)
+from cmimem_jax.encoders import EncoderConfig, make_encoder
+from cmimem_jax.memory.builder import MemoryConfig
+from cmimem_jax.sampling import (PolicyConfig, load_tokenizer,
+                                 policy_tokenizer_path, token_budget)
 from cmimem_jax.task.build_memory import annotation_responder
 from cmimem_jax.task.warm_start import (endpoint_teacher, extractive_teacher,
                                         response_budget, teacher_trajectories,
@@ -102,13 +102,14 @@ def main(argv: list[str]) -> dict:
     raise app.UsageError("--max_response_tokens is the extractive teacher's")
   dialogues = load_dataset(args.dataset, args.input)[
       dialogue_slice(args.dialogues)]
-  encoder = make_encoder(ml_collections.ConfigDict(
-      {"kind": args.encoder, "dim": args.dim, "path": ""}))
-  memory = memory_defaults()
+  encoder = make_encoder(EncoderConfig.from_config(
+      {"kind": args.encoder, "dim": args.dim, "path": ""}, path="encoder"))
+  memory = MemoryConfig.from_config(memory_defaults())
   tokenizer = None
   if args.max_prompt_tokens > 0 or args.max_response_tokens > 0:
     tokenizer = load_tokenizer(
-        args.tokenizer or policy_tokenizer_path(default.get_config().policy))
+        args.tokenizer or policy_tokenizer_path(
+            PolicyConfig.from_config(default.get_config().policy)))
   fits = None
   if args.max_prompt_tokens > 0:
     fits = token_budget(tokenizer, args.max_prompt_tokens)

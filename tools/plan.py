@@ -113,6 +113,7 @@ import sys
 import time
 import types
 
+import ml_collections
 import numpy as np
 from absl import flags
 from ml_collections import config_flags
@@ -601,13 +602,15 @@ def _run(args, config, model_config, chip: Chip, layout: dict[str, int],
            f"{rl.sessions_per_batch} per step)")
   concurrencies = ([int(c) for c in args.concurrency.split(",")]
                    if args.concurrency else [0])
+  from cmimem_jax.task.qa_reward import QAConfig
   runs = []
-  llm = config.qa.judge == "llm"
+  qa = QAConfig.from_config(config.qa)
+  llm = qa.judge == "llm"
   beside = rollout.score_beside_decoding
   waves = layout["waves"]
   for concurrency in concurrencies:
-    rounds = endpoint_rounds(config, rollouts, QA_PER_SESSION, concurrency)
-    answer_c, judge_c = endpoint_concurrency(config, concurrency)
+    rounds = endpoint_rounds(qa, rollouts, QA_PER_SESSION, concurrency)
+    answer_c, judge_c = endpoint_concurrency(qa, concurrency)
     shape = RunShape(sessions, max(1, rl.epochs), rl.sessions_per_batch,
                      rl.max_steps, rollout.num_rollouts, rl.micro_batches,
                      completion, waves, QA_PER_SESSION if llm else 0,
@@ -755,10 +758,11 @@ def trainer_step(config, mesh, preset_name: str = "", checkpoint: str = "",
   """
   from cmimem_jax.models.qwen3 import Qwen3Config, preset
   from cmimem_jax.models.qwen3.params import abstract_model
-  from cmimem_jax.sampling.policy import policy_runtime, random_policy_config
+  from cmimem_jax.sampling.policy import (PolicyConfig, policy_runtime,
+                                          random_policy_config)
   from cmimem_jax.task.loop import GRPO_STEP_SECTIONS, grpo_step
   config = config.copy_and_resolve_references()
-  policy = config.policy
+  policy = PolicyConfig.from_config(config.policy)
   runtime = policy_runtime(policy)
   if layers:
     runtime["num_hidden_layers"] = layers
@@ -844,11 +848,13 @@ def first_device(mesh):
       (1,) * mesh.devices.ndim), mesh.axis_names)
 
 
-def plan_encoder(encoder, mesh, layers: int = 0):
+def plan_encoder(encoder: ml_collections.ConfigDict, mesh, layers: int = 0):
   """The trainer's in-process encoder (`encoders.make_encoder` of the
   config's `encoder` section: Qwen3-Embedding, loaded as `load_hf` loads
   it, on the default device) over abstract weights on `mesh`'s first
-  device; SystemExit for an encoder that runs no program of ours."""
+  device; SystemExit for an encoder that runs no program of ours. The
+  raw section, not an `EncoderConfig`: its `path` (a checkpoint the plan
+  never reads) need not exist here."""
   import jax
   from jax.sharding import NamedSharding, PartitionSpec as P
 

@@ -82,17 +82,18 @@ from cmimem_jax.config import (CONFIG_FILE, define_command_line_flags,
                                run_command)
 from cmimem_jax.data import bundled_path, load_dataset
 from cmimem_jax.data.files import write_atomic, write_figure, write_json
-from cmimem_jax.encoders import make_encoder
+from cmimem_jax.encoders import EncoderConfig, make_encoder
 from cmimem_jax.evaluation.compare import (differences_table,
                                            paired_differences, pooled_table,
                                            seed_pooled_differences,
                                            workdir_differences)
 from cmimem_jax.evaluation.run import evaluate, read_records
 from cmimem_jax.memory import MemoryBank
+from cmimem_jax.memory.builder import MemoryConfig
 from cmimem_jax.memory.types import ENTRY_TYPES
 from cmimem_jax.rl import read_metrics
-from cmimem_jax.sampling import (load_tokenizer, policy_tokenizer_path,
-                                 token_budget)
+from cmimem_jax.sampling import (PolicyConfig, load_tokenizer,
+                                 policy_tokenizer_path, token_budget)
 from cmimem_jax.task.loop import train
 from cmimem_jax.task.warm_start import (annotation_trajectories, run_sft,
                                         trimmed_count, write_jsonl)
@@ -666,11 +667,13 @@ def reproduce(config, workdir: str, stages: Sequence[str] = STAGES,
 
   def teacher() -> None:
     top_k = config.rollout.retrieval_top_k
-    fits = (token_budget(load_tokenizer(policy_tokenizer_path(config.policy)),
+    policy = PolicyConfig.from_config(config.policy)
+    fits = (token_budget(load_tokenizer(policy_tokenizer_path(policy)),
                          config.sft.max_prompt_tokens)
             if config.sft.trim_retrieved else None)
     records, rejected = annotation_trajectories(
-        teachers, make_encoder(config.encoder), config.memory, top_k, fits)
+        teachers, make_encoder(EncoderConfig.from_config(config.encoder)),
+        MemoryConfig.from_config(config.memory), top_k, fits)
     write_jsonl(data, records)
     print(json.dumps({"sft_records": len(records), "rejected": rejected,
                       "trimmed": trimmed_count(records, top_k)}))

@@ -48,8 +48,8 @@ from typing import ClassVar
 import numpy as np
 from absl import flags, logging
 
-from cmimem_jax.config import (Section, define_command_line_flags, need,
-                               positive_int, run_command,
+from cmimem_jax.config import (Section, Sections, define_command_line_flags,
+                               need, positive_int, run_command,
                                validate_config)
 from cmimem_jax.data import DatasetConfig, Dialogue, load_dataset
 from cmimem_jax.data.files import write_atomic, write_figure, write_json
@@ -180,16 +180,19 @@ class UseMeter:
 
 
 def score_conversation(dialogue: Dialogue, other: Dialogue, encoder,
-                       config, rng: np.random.Generator) -> list[dict]:
-  """One record per candidate operation of every session."""
+                       sections: Sections, rng: np.random.Generator
+                       ) -> list[dict]:
+  """One record per candidate operation of every session (the study's
+  validated `sections`: memory, reward, study)."""
+  memory = sections[MemoryConfig]
   _, _, steps = build_bank(dialogue, encoder, annotation_responder(dialogue),
-                           config.memory)
-  meter = UseMeter(dialogue, encoder, config.memory.qa_top_k)
-  computers = {e: RewardComputer(encoder, RewardConfig.from_config(
-      _with_estimator(config.reward, e))) for e in ESTIMATORS}
+                           memory)
+  meter = UseMeter(dialogue, encoder, memory.qa_top_k)
+  computers = {e: RewardComputer(encoder, dataclasses.replace(
+      sections[RewardConfig], estimator=e)) for e in ESTIMATORS}
   reward = computers["residual"].config
   per_session = [(step, candidates(dialogue, other, t, step.bank_before,
-                                   config.study.per_class, rng))
+                                   sections[StudyConfig].per_class, rng))
                  for t, step in enumerate(steps)]
   items = [(step.bank_before, step.session.format(), [op for _, op in cands])
            for step, cands in per_session]
@@ -228,12 +231,6 @@ def score_conversation(dialogue: Dialogue, other: Dialogue, encoder,
                        f"{estimator}_shaped_dup": shaped * dup_factor})
       records.append(record)
   return records
-
-
-def _with_estimator(section, estimator: str):
-  copy = section.copy_and_resolve_references()
-  copy.estimator = estimator
-  return copy
 
 
 def summarize(records: list[dict], seed: int) -> dict:
@@ -340,24 +337,25 @@ class StudyConfig(Section):
 def run(config, output: str) -> dict:
   """The study; writes `output/study.{json,md,png}` and returns the
   summary."""
-  validate_config(config, required=(DatasetConfig, EncoderConfig,
-                                    MemoryConfig, RewardConfig, StudyConfig))
+  sections = validate_config(config, required=(
+      DatasetConfig, EncoderConfig, MemoryConfig, RewardConfig, StudyConfig))
+  study = sections[StudyConfig]
   start = time.perf_counter()
-  dialogues = load_dataset("locomo", config.dataset.path)
-  first, _, last = config.study.conversations.partition(":")
+  dialogues = load_dataset("locomo", sections[DatasetConfig].path)
+  first, _, last = study.conversations.partition(":")
   chosen = dialogues[int(first or 0):int(last) if last else None]
-  encoder = make_encoder(config.encoder)
-  rng = np.random.default_rng(config.study.seed)
+  encoder = make_encoder(sections[EncoderConfig])
+  rng = np.random.default_rng(study.seed)
   records = []
   for dialogue in chosen:
     other = dialogues[(dialogues.index(dialogue) + 1) % len(dialogues)]
     logging.info("scoring %s", dialogue.dialogue_id)
-    records += score_conversation(dialogue, other, encoder, config, rng)
-  summary = summarize(records, config.study.seed)
+    records += score_conversation(dialogue, other, encoder, sections, rng)
+  summary = summarize(records, study.seed)
   settings = {"conversations": [d.dialogue_id for d in chosen],
-              "encoder": config.encoder.kind,
-              "per_class": config.study.per_class,
-              "qa_top_k": config.memory.qa_top_k,
+              "encoder": sections[EncoderConfig].kind,
+              "per_class": study.per_class,
+              "qa_top_k": sections[MemoryConfig].qa_top_k,
               "seconds": round(time.perf_counter() - start, 1)}
   os.makedirs(output, exist_ok=True)
   write_json(os.path.join(output, "study.json"),

@@ -130,7 +130,7 @@ def with_semantic(bank: MemoryBank, texts: list[str], encoder,
   return apply_operations(bank, ops, encoder, session_index=session_index)[0]
 
 
-def cases(dialogue: Dialogue, other: Dialogue, encoder, memory
+def cases(dialogue: Dialogue, other: Dialogue, encoder, memory: MemoryConfig
           ) -> list[tuple[str, int, RolloutInput]]:
   """(class, session index, SKIP rollout) of every session of `dialogue`
   in which the user states something and LoCoMo observes the user; the
@@ -318,8 +318,8 @@ def run(config, output: str, choose: str, check: str, locomo: str = "",
   if any(i >= FIRST_HELD_OUT for r in splits.values() for i in r):
     raise ValueError(f"conversations >= {FIRST_HELD_OUT} are validation or "
                      "evaluation data: calibrate on training conversations")
-  validate_config(config, required=(EncoderConfig, MemoryConfig,
-                                    RewardConfig))
+  sections = validate_config(config, required=(EncoderConfig, MemoryConfig,
+                                               RewardConfig))
   if not locomo:
     if config.get("dataset", {}).get("name") != "locomo":
       raise ValueError("--locomo=FILE is required: this config's dataset "
@@ -327,8 +327,8 @@ def run(config, output: str, choose: str, check: str, locomo: str = "",
     locomo = config.dataset.path
   start = time.perf_counter()
   dialogues = load_dataset("locomo", locomo)
-  encoder = make_encoder(config.encoder)
-  reward = RewardConfig.from_config(config.reward)
+  encoder = make_encoder(sections[EncoderConfig])
+  reward = sections[RewardConfig]
   # Any thresholds: only the statement cosines are read here.
   computer = RewardComputer(encoder, dataclasses.replace(
       reward, semantic_skip_cosine=1.0, semantic_skip_coverage=1.0))
@@ -338,7 +338,7 @@ def run(config, output: str, choose: str, check: str, locomo: str = "",
       dialogue = dialogues[i]
       logging.info("scoring %s", dialogue.dialogue_id)
       built = cases(dialogue, dialogues[(i + 1) % FIRST_HELD_OUT], encoder,
-                    config.memory)
+                    sections[MemoryConfig])
       rollouts = [rollout for _, _, rollout in built]
       terms = computer(rollouts)
       rhos = statement_rhos(rollouts, encoder, reward)
@@ -355,7 +355,7 @@ def run(config, output: str, choose: str, check: str, locomo: str = "",
       raise RuntimeError(f"no {label} case in conversations {choose}")
   cosine, coverage = choose_rule(chosen)
   summary = summarize(records, cosine, coverage)
-  identity = encoder_identity(config.encoder)
+  identity = encoder_identity(sections[EncoderConfig])
   settings = {"encoder": identity, "locomo": os.path.basename(locomo),
               "choose": choose, "check": check,
               "conversations": sorted({r["dialogue"] for r in records}),

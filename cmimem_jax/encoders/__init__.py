@@ -7,8 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import ClassVar
 
-from cmimem_jax.config import (EndpointConfig, Section, as_section, need,
-                               positive_int)
+from cmimem_jax.config import EndpointConfig, Section, need, positive_int
 from cmimem_jax.encoders.base import (DEFAULT_QUERY_INSTRUCTION, EncodeKind,
                                       Encoder, HashingEncoder,
                                       instructed_query)
@@ -82,7 +81,6 @@ def make_encoder(config: EncoderConfig) -> Encoder:
   `DEFAULT_QUERY_INSTRUCTION` in process, none over an endpoint): one
   value gives the same query text whichever runs it.
   """
-  config = as_section(EncoderConfig, config)
   instruction = query_instruction(config)
   if config.kind == "hashing":
     return HashingEncoder(dim=config.dim)

@@ -129,10 +129,13 @@ class OurResult:
 
   def setting_lines(self) -> dict[str, str]:
     """Our side of the settings the paper's tables state."""
-    def model(section: Any) -> str:
-      if not section:
+    # A model as `settings.json` records it (`run.result_settings`: a
+    # mapping, or None for no model), not a config section.
+    def model(recorded: Mapping[str, Any] | None) -> str:
+      if not recorded:
         return "none"
-      return section.get("model") or section.get("path") or section["kind"]
+      return (recorded.get("model") or recorded.get("path")
+              or recorded["kind"])
     judge = self.settings.get("judge", {})
     judge_text = self.result.get("judge", "?")
     if judge.get("model"):

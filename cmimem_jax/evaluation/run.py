@@ -33,13 +33,14 @@ import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+import ml_collections
 from absl import logging
 from tqdm import tqdm
 
 from cmimem_jax import storage
 from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
-from cmimem_jax.config import (Section, Sections, as_section, need,
-                               positive_int, qa_chunk_budget, validate_config)
+from cmimem_jax.config import (Section, Sections, need,
+                               positive_int, validate_config)
 from cmimem_jax.data import (DatasetConfig, Dialogue, Question, WorkdirLock,
                              configured_split, load_configured, path_under,
                              read_jsonl)
@@ -159,7 +160,6 @@ def make_chat_model(section: ChatModelConfig,
                     constraint_regex: str | None = None) -> ChatModel:
   """An answer/builder model from its config section; a local model
   decodes matches of `constraint_regex` only, when given."""
-  section = as_section(ChatModelConfig, section)
   if section.kind == "endpoint":
     return OpenAIClient(section.endpoint)
   # The Flax model pulls in the model stack: import only when asked.
@@ -215,7 +215,7 @@ def context_provider(dialogue: Dialogue, encoder: Encoder,
         failures[key] += stats[key]
     bank.save(directory)
   return MemoryContext(bank, dialogue, encoder, memory.qa_top_k,
-                       qa_chunk_budget(memory))
+                       memory.qa_chunk_budget)
 
 
 def text_metrics(dataset: str, question: Question, prediction: str
@@ -270,7 +270,7 @@ def question_record(dataset: str, judge_kind: str, dialogue: Dialogue,
 
 
 def submit_dialogue(dialogue: Dialogue, questions: list[Question], provider,
-                    config, answerer: ChatModel | None,
+                    answerer: ChatModel | None,
                     judge: LLMJudge | None
                     ) -> list[tuple[Question, QAContext, concurrent.futures.
                                     Future[JudgedAnswer] | None]]:
@@ -298,11 +298,15 @@ def file_sha256(path: str) -> str:
   return digest.hexdigest()
 
 
-def result_settings(config) -> dict[str, Any]:
+def result_settings(sections: Sections) -> dict[str, Any]:
   """What decides a question's record and the cached banks: the dataset,
   method, encoder, memory settings and the models that build, answer and
-  judge (not the subset, concurrency or timeouts)."""
-  def model(section, used: bool) -> dict[str, Any] | None:
+  judge (not the subset, concurrency or timeouts), from the evaluation's
+  validated `sections` (`EVALUATION_SECTIONS`). For the same config the
+  JSON is the same as before the sections were typed (the encoder and
+  memory sections as their config held them: `Section.as_config_dict`),
+  so a workdir's `settings.json` still matches."""
+  def model(section: ChatModelConfig, used: bool) -> dict[str, Any] | None:
     if not used or section.kind == "none":
       return None
     if section.kind == "endpoint":
@@ -314,21 +318,24 @@ def result_settings(config) -> dict[str, Any]:
             "checkpoint_step": section.checkpoint_step,
             "max_new_tokens": section.max_new_tokens,
             "constrained_dsl": section.constrained_dsl}
-  llm_judge = config.judge.kind == "llm"
+  dataset, run = sections[DatasetConfig], sections[EvaluationConfig]
+  judge = sections[JudgeConfig]
+  llm_judge = judge.kind == "llm"
   settings = {
-      "dataset": config.dataset.name,
-      "dataset_file": os.path.basename(config.dataset.path),
+      "dataset": dataset.name,
+      "dataset_file": os.path.basename(dataset.path),
       # The content, not the name: another file of the same name (other
       # evidence, other answers) must not reuse these records.
-      "dataset_sha256": file_sha256(config.dataset.path),
-      "split": configured_split(config.dataset, "evaluate"),
-      "method": config.method,
-      "rag_top_k": config.rag_top_k if config.method == "rag" else None,
-      "encoder": config.encoder.to_dict(), "memory": config.memory.to_dict(),
-      "judge": {"kind": config.judge.kind, "prompt": config.judge.prompt,
-                "model": config.judge.endpoint.model if llm_judge else None},
-      "answer": model(config.answer, llm_judge),
-      "builder": model(config.builder, config.method != "rag")}
+      "dataset_sha256": file_sha256(dataset.path),
+      "split": configured_split(dataset, "evaluate"),
+      "method": run.method,
+      "rag_top_k": run.rag_top_k if run.method == "rag" else None,
+      "encoder": sections[EncoderConfig].as_config_dict(),
+      "memory": sections[MemoryConfig].as_config_dict(),
+      "judge": {"kind": judge.kind, "prompt": judge.prompt,
+                "model": judge.endpoint.model if llm_judge else None},
+      "answer": model(sections[AnswerModelConfig], llm_judge),
+      "builder": model(sections[BuilderModelConfig], run.method != "rag")}
   return json.loads(json.dumps(settings))  # Tuples as lists, as stored.
 
 
@@ -374,12 +381,18 @@ def questions_per_submit(model: ChatModel | None) -> int | None:
   return getattr(model, "batch_size", 1)
 
 
-def summarize(records: list[dict], config, failures: dict) -> dict:
-  excluded = ("adversarial",) if config.dataset.name == "locomo" else ()
+def summarize(records: list[dict], sections: Sections, failures: dict
+              ) -> dict:
+  """`results.json`: the scores of `records` (overall, per category, per
+  metric; LoCoMo's without the adversarial questions too; Table 2's for
+  MemoryAgentBench) and the run's call `failures`, from the evaluation's
+  `sections` (its dataset, method and judge)."""
+  dataset = sections[DatasetConfig].name
+  excluded = ("adversarial",) if dataset == "locomo" else ()
   summary = aggregate(records)
   result = {
-      "dataset": config.dataset.name, "method": config.method,
-      "judge": config.judge.kind, **summary}
+      "dataset": dataset, "method": sections[EvaluationConfig].method,
+      "judge": sections[JudgeConfig].kind, **summary}
   if excluded:
     result["without_adversarial"] = aggregate(
         records, exclude_from_overall=excluded)["overall"]
@@ -389,28 +402,38 @@ def summarize(records: list[dict], config, failures: dict) -> dict:
     if scored:
       result[metric] = aggregate(scored, score_key=metric,
                                  exclude_from_overall=excluded)
-  if config.dataset.name == "memoryagentbench":
+  if dataset == "memoryagentbench":
     result["table2"] = table2_scores(records)
   result["call_failures"] = failures
   return result
 
 
-def failed_endpoints(config, result: dict) -> str:
+def failed_endpoints(sections: Sections, result: dict) -> str:
   """The endpoints whose calls failed in a run's `result` ("answer URL,
-  judge URL"), for the line that reports it."""
-  sections = {"answer": config.answer, "builder": config.builder,
-              "judge": config.judge}
+  judge URL"), from the evaluation's `sections`, for the line that
+  reports it."""
+  roles = {"answer": sections[AnswerModelConfig],
+           "builder": sections[BuilderModelConfig],
+           "judge": sections[JudgeConfig]}
   failed = [f"{role} {section.endpoint.base_url}"
-            for role, section in sections.items()
-            if result["call_failures"].get(role, {}).get("failed_calls")
-            and section.get("endpoint") is not None]
+            for role, section in roles.items()
+            if result["call_failures"].get(role, {}).get("failed_calls")]
   return ", ".join(failed) or "no endpoint call failed"
 
 
-def evaluate(config, workdir: str) -> dict:
+def evaluate(config: ml_collections.ConfigDict | Sections, workdir: str
+             ) -> dict:
   """Runs (or resumes) an evaluation; returns what it writes to
-  `results.json`."""
-  sections = validate_config(config, required=EVALUATION_SECTIONS)
+  `results.json`.
+
+  Args:
+    config: the evaluation's config, or its sections validated already
+      (`validate_config(config, EVALUATION_SECTIONS)`: the entry point's,
+      which reads them again after the run).
+    workdir: where predictions, banks, settings and results go.
+  """
+  sections = (config if isinstance(config, Sections) else
+              validate_config(config, required=EVALUATION_SECTIONS))
   dataset, run = sections[DatasetConfig], sections[EvaluationConfig]
   memory, judge_config = sections[MemoryConfig], sections[JudgeConfig]
   answer_config = sections[AnswerModelConfig]
@@ -434,7 +457,7 @@ def evaluate(config, workdir: str) -> dict:
     raise ValueError(f"{len(repeated)} question ids occur more than once "
                      f"(records would merge), e.g. {repeated[:5]}")
   # Refused before any model loads; recorded once they have.
-  settings = result_settings(config)
+  settings = result_settings(sections)
   check_settings(workdir, settings)
   path = storage.join(workdir, "predictions.jsonl")
   # Scored and unscorable records are final; failed judgements are redone.
@@ -477,7 +500,7 @@ def evaluate(config, workdir: str) -> dict:
                            or in_flight[0][3].done()):
         dialogue, question, context, outcome = in_flight.popleft()
         out.write(json.dumps(question_record(
-            config.dataset.name, config.judge.kind, dialogue, question,
+            dataset.name, judge_config.kind, dialogue, question,
             context, outcome and outcome.result())) + "\n")
         out.flush()  # A crash loses at most the calls still in flight.
         bar.update(1)
@@ -498,8 +521,8 @@ def evaluate(config, workdir: str) -> dict:
       step = per_submit or len(questions)
       for first in range(0, len(questions), step):
         in_flight.extend((dialogue, *sent) for sent in submit_dialogue(
-            dialogue, questions[first:first + step], provider, config,
-            answerer, judge))
+            dialogue, questions[first:first + step], provider, answerer,
+            judge))
         write_scored(wait=False)
     write_scored(wait=True)
   wanted = {q.question_id for _, q in selected}
@@ -507,7 +530,7 @@ def evaluate(config, workdir: str) -> dict:
   calls = {name: model.failures.as_dict() for name, model in
            (("answer", answerer), ("builder", builder),
             ("judge", judge and judge.client)) if hasattr(model, "failures")}
-  result = summarize(records, config, {"build": dict(failures), **calls})
+  result = summarize(records, sections, {"build": dict(failures), **calls})
   # Questions without a record: their dialogue's memory could not be built.
   result["missing"] = len(wanted) - len(records)
   result["seconds"] = round(time.perf_counter() - start, 2)

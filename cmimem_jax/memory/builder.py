@@ -77,6 +77,12 @@ class MemoryConfig(Section):
       yield ("compress_target_chars must not exceed memory.core_cap_chars "
              f"({self.compress_target_chars} > {self.core_cap_chars})")
 
+  @property
+  def qa_chunk_budget(self) -> int:
+    """Characters of source turns `LookupChunk` may add to a QA context
+    (0 when `source_chunks` is off)."""
+    return self.chunk_budget_chars if self.source_chunks else 0
+
 
 def core_config(memory: MemoryConfig) -> CoreConfig:
   """`CoreConfig` from a validated `memory` config section."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from cmimem_jax.client import ChatModel, OpenAIClient
-from cmimem_jax.config import as_section
 from cmimem_jax.memory.apply import CoreConfig, MemoryEditors
 from cmimem_jax.memory.builder import MemoryConfig, core_config
 from cmimem_jax.memory.json_agents import loads_llm_json
@@ -110,7 +109,6 @@ def memory_editors(memory: MemoryConfig,
   Raises:
     ValueError: a configured model is not part of this job.
   """
-  memory = as_section(MemoryConfig, memory)
   compress = _model(memory, "compressor", models)
   merge = _model(memory, "merge_summarizer", models)
   return MemoryEditors(

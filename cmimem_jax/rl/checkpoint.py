@@ -44,7 +44,7 @@ from absl import logging as absl_logging
 from flax import nnx
 
 from cmimem_jax import storage
-from cmimem_jax.config import Section, as_section, need, positive_int
+from cmimem_jax.config import Section, need, positive_int
 from cmimem_jax.models.host_memory import release_free_heap
 from cmimem_jax.rl.metrics import MetricsWriter
 
@@ -233,7 +233,6 @@ class Checkpointer:
                   ) -> Checkpointer:
     """`workdir/checkpoints` with a `checkpoint` config section's `keep`,
     `keep_period`, `async_save` and `save_concurrent_gb`."""
-    section = as_section(CheckpointConfig, section)
     return cls(storage.join(workdir, "checkpoints"), section.keep,
                section.async_save, section.keep_period,
                save_concurrent_gb=section.save_concurrent_gb)

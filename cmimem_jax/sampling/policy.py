@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from cmimem_jax import storage
 from cmimem_jax.client import CallResult, ChatModel, Messages, PromptFits
-from cmimem_jax.config import Section, as_section, need, positive_int
+from cmimem_jax.config import Section, need, positive_int
 from cmimem_jax.models.attention import ATTENTION_IMPLS
 from cmimem_jax.models.hf_tokenizer import load_hf_tokenizer
 from cmimem_jax.models.qwen3 import (Qwen3, Qwen3Config, load_gguf, load_hf,
@@ -144,7 +144,6 @@ def load_policy_and_tokenizer(section: PolicyConfig) -> tuple[Qwen3, Any]:
   """The policy of the `policy` config section and its tokenizer, their
   vocabularies checked against each other (an HF checkpoint's before its
   weights are read)."""
-  section = as_section(PolicyConfig, section)
   storage.require_local(section.path, "policy.path")
   storage.require_local(section.tokenizer, "policy.tokenizer")
   tokenizer = load_tokenizer(policy_tokenizer_path(section))

@@ -6,8 +6,9 @@ model / judge, and the endpoint of `encoder.kind="openai"`): the ASGI app
 from cmimem_jax.serving.app import (ChatRequest, Limits, RequestError,
                                     make_app, parse_chat_request)
 from cmimem_jax.serving.batcher import ChatBatcher, Completion
-from cmimem_jax.serving.server import Server, api_key_from_env
+from cmimem_jax.serving.server import (SERVE_SECTIONS, Server, ServeConfig,
+                                       ServeRunConfig, api_key_from_env)
 
 __all__ = ["ChatBatcher", "ChatRequest", "Completion", "Limits",
-           "RequestError", "Server", "api_key_from_env", "make_app",
-           "parse_chat_request"]
+           "RequestError", "SERVE_SECTIONS", "ServeConfig", "ServeRunConfig",
+           "Server", "api_key_from_env", "make_app", "parse_chat_request"]

@@ -21,25 +21,85 @@ mid-response).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import ClassVar
 
+import ml_collections
 import uvicorn
 from absl import logging
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from cmimem_jax.encoders import make_encoder
-from cmimem_jax.sampling import ChatPolicy, load_policy_and_tokenizer
+from cmimem_jax.config import (Section, Sections, finite_number, need,
+                               positive_int, validate_config)
+from cmimem_jax.encoders import EncoderConfig, make_encoder
+from cmimem_jax.sampling import (ChatPolicy, PolicyConfig,
+                                 load_policy_and_tokenizer)
 from cmimem_jax.serving.app import Limits, make_app
 from cmimem_jax.serving.batcher import (MAX_STOPS, STOP_TOKENS, ChatBatcher,
                                         Progress)
 
 # Seconds a request failed at the end of the drain has to send its 503.
 _ANSWER_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig(Section):
+  """The `serve` section (`configs/serve_cpu.py` says what each means)."""
+
+  SECTION: ClassVar[str] = "serve"
+
+  chat: bool                  # /v1/chat/completions with the policy.
+  embeddings: bool            # /v1/embeddings with the encoder.
+  model_name: str             # The one model name requests may ask for.
+  max_batch: int              # Chat rows decoded together.
+  batch_wait_ms: float        # How long a batch waits for more rows.
+  max_new_tokens: int
+  max_prompt_tokens: int
+  buckets: tuple[int, ...]    # Prompt lengths compiled (padded up to).
+  api_key_env: str            # "" : no key; else the variable holding it.
+  max_request_bytes: int      # Larger bodies: 413.
+  body_timeout_s: float       # Slower bodies: 408.
+  max_pending: int            # More chat requests in flight: 429.
+  max_connections: int        # More connections: 503.
+  idle_timeout_s: float       # A connection with no request is closed.
+  max_embedding_inputs: int   # More inputs: 413.
+  max_embedding_chars: int    # Longer inputs: 400.
+  shutdown_timeout_s: float   # The drain after SIGTERM / Ctrl-C.
+  # The prompt lengths whose buckets are compiled before serving.
+  warm_up_prompt_tokens: tuple[int, ...]
+
+  def invalid(self) -> Iterator[str]:
+    for key in ("max_batch", "max_new_tokens", "max_prompt_tokens",
+                "max_request_bytes", "max_pending", "max_connections",
+                "max_embedding_inputs", "max_embedding_chars"):
+      yield from need(self, key, positive_int, "a positive integer")
+    for key in ("body_timeout_s", "idle_timeout_s"):
+      yield from need(self, key, lambda v: v > 0, "> 0 seconds")
+    for key in ("batch_wait_ms", "shutdown_timeout_s"):
+      yield from need(self, key, lambda v: finite_number(v, 0.0), ">= 0")
+    yield from need(self, "model_name", bool, "a non-empty name")
+    yield from need(self, "buckets",
+                    lambda v: v and all(positive_int(b) for b in v),
+                    "a non-empty list of positive integers")
+    yield from need(self, "warm_up_prompt_tokens",
+                    lambda v: all(positive_int(t) for t in v),
+                    "a list of positive integers")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeRunConfig(Section):
+  """The server's top-level fields."""
+
+  seed: int  # The chat sampler's key.
+
+
+# What `Server` reads (`serve` validates them before anything loads).
+SERVE_SECTIONS = (ServeConfig, ServeRunConfig, PolicyConfig, EncoderConfig)
 
 
 class _IdleClosingH11(H11Protocol):
@@ -114,14 +174,19 @@ class Server:
 
   `with Server(config) as s:` serves from a background thread (`s.base_url`
   ends in `/v1`); `Server(config).serve_forever()` in the foreground.
+  `config`: the server's config, or its `SERVE_SECTIONS` validated already
+  (`validate_config`: what `python -m cmimem_jax.serve` passes).
   `progress`: called after each warm-up program; `on_ready(base_url)`:
   once `/health` answers 200.
   """
 
-  def __init__(self, config: Any, host: str = "127.0.0.1", port: int = 0,
+  def __init__(self, config: ml_collections.ConfigDict | Sections,
+               host: str = "127.0.0.1", port: int = 0,
                progress: Progress | None = None,
                on_ready: Callable[[str], None] | None = None):
-    serve = config.serve
+    sections = (config if isinstance(config, Sections) else
+                validate_config(config, required=SERVE_SECTIONS))
+    serve = sections[ServeConfig]
     api_key = api_key_from_env(serve.api_key_env)
     self.batcher = None
     self.programs: list[tuple[int, int]] = []  # (batch, prompt bucket)
@@ -131,7 +196,7 @@ class Server:
     # chat requests answer 503 (a client never waits on a compile).
     self.ready = threading.Event()
     if serve.chat:
-      model, tokenizer = load_policy_and_tokenizer(config.policy)
+      model, tokenizer = load_policy_and_tokenizer(sections[PolicyConfig])
       # Requests are unrelated rows: no prompt sharing, so the compiled
       # programs depend on the batch size alone (warm-up included).
       policy = ChatPolicy.jax(model, tokenizer, serve.max_prompt_tokens,
@@ -140,10 +205,12 @@ class Server:
                               row_stop_shape=(MAX_STOPS, STOP_TOKENS))
       self.batcher = ChatBatcher(policy, serve.max_new_tokens,
                                  serve.max_batch,
-                                 serve.batch_wait_ms / 1000.0, config.seed)
+                                 serve.batch_wait_ms / 1000.0,
+                                 sections[ServeRunConfig].seed)
       self.programs = self.batcher.warm_up_programs(
           serve.warm_up_prompt_tokens)
-    self.encoder = make_encoder(config.encoder) if serve.embeddings else None
+    self.encoder = (make_encoder(sections[EncoderConfig]) if serve.embeddings
+                    else None)
     self.app = make_app(self.batcher, self.encoder, serve.model_name,
                         api_key, Limits(
                             serve.max_new_tokens, serve.max_request_bytes,

@@ -14,14 +14,16 @@ category.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import ml_collections
 import numpy as np
 
 from cmimem_jax import storage
-from cmimem_jax.config import ConfigError, qa_chunk_budget, validate_config
+from cmimem_jax.config import Section, Sections, need, validate_config
 from cmimem_jax.data import (DatasetConfig, Dialogue, WorkdirLock,
                              load_configured, path_under)
 from cmimem_jax.data.files import write_json
@@ -44,15 +46,41 @@ def annotation_responder(dialogue: Dialogue) -> Responder:
   return respond
 
 
-# Responder factories by `config.policy`.
+# Responder factories by `BuildMemoryConfig.policy`.
 POLICIES: dict[str, Callable[[Dialogue], Responder]] = {
     "annotations": annotation_responder}
 
 
-def build_bank(dialogue: Dialogue, encoder: Encoder, config,
-               verbose: bool = False
+@dataclasses.dataclass(frozen=True)
+class BuildMemoryConfig(Section):
+  """`build_memory`'s top-level fields."""
+
+  policy: str          # Who builds the banks: one of POLICIES.
+  show_questions: int  # Retrieval examples printed per conversation.
+
+  def invalid(self) -> Iterator[str]:
+    yield from need(self, "policy", lambda v: v in POLICIES,
+                    f"one of {sorted(POLICIES)}")
+    yield from need(self, "show_questions", lambda v: v >= 0,
+                    "an int >= 0")
+
+  def invalid_with(self, sections: Sections) -> Iterator[str]:
+    memory = sections.get(MemoryConfig)
+    for key in ("compressor", "merge_summarizer"):
+      if memory is not None and getattr(memory, key) != "none":
+        yield (f"memory.{key}={getattr(memory, key)!r}: build_memory runs "
+               "no chat model; use 'none'")
+
+
+# What `run` reads.
+BUILD_MEMORY_SECTIONS = (BuildMemoryConfig, DatasetConfig, EncoderConfig,
+                         MemoryConfig, RewardConfig)
+
+
+def build_bank(dialogue: Dialogue, encoder: Encoder, policy: str,
+               memory: MemoryConfig, verbose: bool = False
                ) -> tuple[MemoryBank, dict, list[RolloutInput]]:
-  """Runs the policy over every session.
+  """Runs the `policy` (a key of POLICIES) over every session.
 
   Returns:
     The final bank, counters, and one `RolloutInput` per session (the
@@ -65,8 +93,8 @@ def build_bank(dialogue: Dialogue, encoder: Encoder, config,
       print(step.response.text)
 
   bank, stats, steps = run_policy(dialogue, encoder,
-                                  POLICIES[config.policy](dialogue),
-                                  config.memory, on_step=show)
+                                  POLICIES[policy](dialogue), memory,
+                                  on_step=show)
   rollouts = [RolloutInput(s.bank_before, s.session.format(), s.response,
                            user_turns=s.session.user_turns())
               for s in steps]
@@ -74,10 +102,12 @@ def build_bank(dialogue: Dialogue, encoder: Encoder, config,
 
 
 def reward_summary(rollouts: list[RolloutInput], encoder: Encoder,
-                   config) -> dict[str, float]:
-  """Mean CMI reward terms over the sessions (one batched call)."""
-  terms = RewardComputer(encoder, calibrated(
-      RewardConfig.from_config(config.reward), config.encoder))(rollouts)
+                   reward: RewardConfig, encoder_config: EncoderConfig
+                   ) -> dict[str, float]:
+  """Mean CMI reward terms over the sessions (one batched call), with the
+  Semantic SKIP thresholds calibrated for `encoder_config`'s encoder."""
+  terms = RewardComputer(encoder, calibrated(reward, encoder_config))(
+      rollouts)
   rho = [op.rho_new for t in terms for op in t.operations]
   return {
       "mean_cmi": float(np.mean([t.cmi for t in terms])),
@@ -92,7 +122,7 @@ def reward_summary(rollouts: list[RolloutInput], encoder: Encoder,
 
 
 def evidence_recall(dialogue: Dialogue, bank: MemoryBank, encoder: Encoder,
-                    config, show: int = 0) -> dict[str, float]:
+                    memory: MemoryConfig, show: int = 0) -> dict[str, float]:
   """Mean fraction of each question's evidence turns found by Alg. 2 lookup."""
   by_category: dict[str, list[float]] = collections.defaultdict(list)
   # One encoder call for all questions (an encoder batch per question would
@@ -102,8 +132,8 @@ def evidence_recall(dialogue: Dialogue, bank: MemoryBank, encoder: Encoder,
   for i, (question, query) in enumerate(zip(dialogue.questions, queries)):
     if not question.evidence:
       continue
-    hits = bank.search(query, config.memory.qa_top_k)
-    chunks = lookup_chunks(hits, dialogue, qa_chunk_budget(config.memory))
+    hits = bank.search(query, memory.qa_top_k)
+    chunks = lookup_chunks(hits, dialogue, memory.qa_chunk_budget)
     found = {t.turn_id for c in chunks for t in c.turns}
     recall = sum(e in found for e in question.evidence) / len(question.evidence)
     by_category[question.category].append(recall)
@@ -116,30 +146,27 @@ def evidence_recall(dialogue: Dialogue, bank: MemoryBank, encoder: Encoder,
   return {c: sum(v) / len(v) for c, v in sorted(by_category.items())}
 
 
-def run(config, workdir: str | None) -> dict[str, dict]:
+def run(config: ml_collections.ConfigDict, workdir: str | None
+        ) -> dict[str, dict]:
   """Builds, scores, saves (under `workdir`, if given) and probes a bank per
   dialogue, printing each as it goes; returns the per-dialogue summary
   (also written to `workdir/summary.json`)."""
-  validate_config(config, required=(DatasetConfig, EncoderConfig,
-                                    MemoryConfig, RewardConfig))
-  if config.policy not in POLICIES:
-    raise ConfigError(f"policy must be one of {sorted(POLICIES)}")
-  for key in ("compressor", "merge_summarizer"):
-    if config.memory[key] != "none":
-      raise ConfigError(f"memory.{key}={config.memory[key]!r}: build_memory "
-                        "runs no chat model; use 'none'")
+  sections = validate_config(config, required=BUILD_MEMORY_SECTIONS)
+  job, dataset = sections[BuildMemoryConfig], sections[DatasetConfig]
+  memory, encoder_config = sections[MemoryConfig], sections[EncoderConfig]
   if workdir:
     WorkdirLock(workdir, "build_memory").acquire()
-  encoder = make_encoder(config.encoder)
-  dialogues = load_configured(config.dataset, "build_memory")
+  encoder = make_encoder(encoder_config)
+  dialogues = load_configured(dataset, "build_memory")
   summary = {}
-  for dialogue in dialogues[:config.dataset.dialogues]:
+  for dialogue in dialogues[:dataset.dialogues]:
     start = time.perf_counter()
-    bank, stats, rollouts = build_bank(dialogue, encoder, config,
-                                       verbose=True)
+    bank, stats, rollouts = build_bank(dialogue, encoder, job.policy,
+                                       memory, verbose=True)
     build_s = time.perf_counter() - start
     start = time.perf_counter()
-    rewards = reward_summary(rollouts, encoder, config)
+    rewards = reward_summary(rollouts, encoder, sections[RewardConfig],
+                             encoder_config)
     reward_s = time.perf_counter() - start
     print(bank.render(max_entries=5))
     if workdir:
@@ -148,8 +175,8 @@ def run(config, workdir: str | None) -> dict[str, dict]:
       if MemoryBank.load(directory) != bank:
         raise RuntimeError(f"reloaded bank in {directory} differs")
       print(f"saved and reloaded {directory}")
-    recall = evidence_recall(dialogue, bank, encoder, config,
-                             show=config.show_questions)
+    recall = evidence_recall(dialogue, bank, encoder, memory,
+                             show=job.show_questions)
     summary[dialogue.dialogue_id] = {
         "sessions": len(dialogue.sessions), "entries": len(bank),
         "core_chars": len(bank.core), "build_seconds": round(build_s, 3),

@@ -492,7 +492,7 @@ class Trainer:
     self.rollout, self.rl = sections[RolloutConfig], sections[RLConfig]
     self.memory = sections[MemoryConfig]
     encoder_config = sections[EncoderConfig]
-    policy_config = sections[PolicyConfig]
+    self.policy_config = policy_config = sections[PolicyConfig]
     if self.rollout.engine == "vllm":
       import_vllm()  # Fails fast, with the install hint, where it is absent.
     # The Semantic SKIP thresholds of this encoder (refused before anything
@@ -758,7 +758,7 @@ class Trainer:
     return history
 
 
-def train(config, workdir: str,
+def train(config: ml_collections.ConfigDict, workdir: str,
           echo: Callable[[str], None] | None = None) -> str:
   """Trains (or resumes) in `workdir`; returns the human-readable report:
   the reward table over every step so far, one session's memory written
@@ -793,7 +793,8 @@ def train(config, workdir: str,
   facts = json.dumps({"steps": loop.loop.step,
                       "resumed_from": loop.resumed_from,
                       "wall_s": round(time.perf_counter() - start, 1)})
-  started_from = (f"the warm start in {config.policy.init_checkpoint}"
-                  if config.policy.init_checkpoint else "the loaded model")
+  warm_start = loop.policy_config.init_checkpoint
+  started_from = (f"the warm start in {warm_start}" if warm_start
+                  else "the loaded model")
   return summary_text(history, demo_session, session_line(demo), *written,
                       start=started_from) + "\n" + facts

@@ -13,7 +13,7 @@ import numpy as np
 
 from cmimem_jax.client import ChatModel, EndpointConfig, OpenAIClient
 from cmimem_jax.config import (Section, Sections, finite_number, need,
-                               positive_int, qa_chunk_budget)
+                               positive_int)
 from cmimem_jax.data.types import Dialogue, Question
 from cmimem_jax.encoders.base import Encoder
 from cmimem_jax.evaluation.answering import (JudgedAnswer, MemoryContext,
@@ -127,7 +127,7 @@ class QAReward:
     if qa.judge == "llm":
       answerer = OpenAIClient(qa.answer)
       judge = LLMJudge(OpenAIClient(qa.judge_endpoint), qa.prompt)
-    return cls(encoder, qa.judge, qa.top_k, qa_chunk_budget(memory),
+    return cls(encoder, qa.judge, qa.top_k, memory.qa_chunk_budget,
                answerer, judge)
 
   def __call__(self, bank: MemoryBank, episode: QASession) -> QAResult:

@@ -7,7 +7,10 @@ against measured steps."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # Only the hints: this module stays import-free.
+  from cmimem_jax.task.qa_reward import QAConfig
 
 
 def call_rounds(calls: int, concurrency: int) -> int:
@@ -49,17 +52,16 @@ def scoring_after_decoding(wave_calls: Sequence[int], concurrency: int,
       - (waves - 1 - w) * wave_s for w in range(waves)])
 
 
-def endpoint_concurrency(config: Any, concurrency: int = 0
+def endpoint_concurrency(qa: QAConfig, concurrency: int = 0
                          ) -> tuple[int, int]:
   """(answer, judge) calls in flight at their endpoints: `concurrency`
-  for both, or the config's `qa.answer` / `qa.judge_endpoint`."""
-  qa = config.qa
+  for both, or the `qa` section's `answer` / `judge_endpoint`'s."""
   if concurrency:
     return concurrency, concurrency
   return qa.answer.concurrency, qa.judge_endpoint.concurrency
 
 
-def endpoint_rounds(config: Any, rollouts: int, questions: int,
+def endpoint_rounds(qa: QAConfig, rollouts: int, questions: int,
                     concurrency: int = 0) -> int:
   """Rounds of endpoint calls of `rollouts` rollouts' scoring all at once
   (`task.episode.RolloutScorer`): every rollout's answer calls are sent
@@ -69,8 +71,8 @@ def endpoint_rounds(config: Any, rollouts: int, questions: int,
   rounds and the verdicts end one round after the last answer (or, with
   a slower judge, ceil(N / C_judge) rounds after the first): ceil(N /
   min(C_answer, C_judge)) + 1 (`call_rounds`). Every rollout valid (an
-  invalid one asks nothing). 0 without the LLM judge."""
-  if config.qa.judge != "llm":
+  invalid one asks nothing). 0 without the LLM judge (`qa.judge`)."""
+  if qa.judge != "llm":
     return 0
   return call_rounds(rollouts * questions,
-                     min(endpoint_concurrency(config, concurrency)))
+                     min(endpoint_concurrency(qa, concurrency)))

@@ -1,6 +1,7 @@
 """Listings 5 and 9 through a chat model, and their counted fallbacks."""
 
 import collections
+import dataclasses
 import json
 
 import ml_collections
@@ -78,9 +79,8 @@ def test_failed_compressions_fall_back_to_the_newest_lines_and_count(reply):
 
 
 def test_training_counts_compressions_of_rollouts():
-  memory = memory_defaults()
-  memory.update({"core_cap_chars": 200, "compress_target_chars": 120,
-                 "compressor": "policy"})
+  memory = _typed(_with(memory_defaults(), core_cap_chars=200,
+                        compress_target_chars=120, compressor="policy"))
   model = ScriptedChat(CallResult("not json"))
   editors = memory_editors(memory, {"policy": model, "answer": None})
   assert editors.summarize_merge is None
@@ -94,14 +94,22 @@ def test_training_counts_compressions_of_rollouts():
   assert stats == {"core_compressions": 1, "core_compression_failures": 1,
                    "core_truncations": 1}
   with pytest.raises(ValueError, match="no answer model"):
-    memory_editors(_with(memory, compressor="answer"), {"policy": model})
-  assert memory_editors(_with(memory, compressor="none"), {}) == MemoryEditors()
+    memory_editors(dataclasses.replace(memory, compressor="answer"),
+                   {"policy": model})
+  assert memory_editors(dataclasses.replace(memory, compressor="none"),
+                        {}) == MemoryEditors()
 
 
 def _with(memory, **changes):
+  """A copy of the `memory` config section with `changes`."""
   copy = memory.copy_and_resolve_references()
   copy.update(changes)
   return copy
+
+
+def _typed(memory) -> MemoryConfig:
+  """The `memory` config section as a job's `validate_config` builds it."""
+  return MemoryConfig.from_config(memory)
 
 
 OLDS = ("2024-03-15: Alex's first Italian cooking class with Marco",
@@ -150,7 +158,7 @@ def test_merge_text_comes_from_listing_9():
 @pytest.mark.parametrize("reply", [CallResult(None, "timeout"),
                                    CallResult("   ")])
 def test_a_failed_merge_summary_keeps_the_policy_text_and_counts(reply):
-  memory = _with(memory_defaults(), merge_summarizer="answer")
+  memory = _typed(_with(memory_defaults(), merge_summarizer="answer"))
   editors = memory_editors(memory, {"policy": None,
                                     "answer": ScriptedChat(reply)})
   stats = collections.Counter()
@@ -173,7 +181,7 @@ def test_an_external_endpoint_summarises_merges():
   `memory.summarizer_endpoint` with Listing 9, whatever the job's models."""
   summary = "2024-03-15 to 2024-03-22: two cooking classes with Marco"
   with FakeOpenAI(reply=lambda prompt: summary) as server:
-    memory = _external(server.base_url)
+    memory = _typed(_external(server.base_url))
     editors = memory_editors(memory, {"policy": None, "answer": None})
     session = Session("s", 1, None, "", (Turn("t1", "user", "user", "hi"),))
     stats = collections.Counter()
@@ -236,7 +244,7 @@ def test_a_long_listing_5_answer_through_the_policy_is_not_cut():
   content = "\n".join(lines)[:2900].strip()
   engine = ScriptedEngine(tokenizer, json.dumps({"content": content}))
   policy = ChatPolicy(engine, tokenizer, max_prompt_tokens=4096)
-  memory = _with(memory_defaults(), compressor="policy")
+  memory = _typed(_with(memory_defaults(), compressor="policy"))
   editors = memory_editors(memory, {"policy": policy, "answer": None})
   assert editors.compress_core(content + "\nmore") == content
   assert engine.budgets == [(memory.compress_max_tokens, False)]

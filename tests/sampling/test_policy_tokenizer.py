@@ -8,12 +8,11 @@ import subprocess
 import sys
 import time
 
-import ml_collections
 import pytest
 
-from cmimem_jax.evaluation.run import make_chat_model
+from cmimem_jax.evaluation.run import BuilderModelConfig, make_chat_model
 from cmimem_jax.models.qwen3.params import smollm2_gguf_path
-from cmimem_jax.sampling import (load_policy_and_tokenizer,
+from cmimem_jax.sampling import (PolicyConfig, load_policy_and_tokenizer,
                                  policy_tokenizer_path)
 from cmimem_jax.testing import standins
 from configs import eval_cpu
@@ -36,12 +35,11 @@ def checkpoints(tmp_path_factory):
   return {"policy": policy, "bare": str(bare)}
 
 
-def _section(path: str, tokenizer: str = "") -> ml_collections.ConfigDict:
-  return ml_collections.ConfigDict({
-      "source": "hf", "preset": "tiny", "path": path, "seed": 0,
-      "tokenizer": tokenizer, "dtype": "float32", "param_dtype": "float32",
-      "remat": "none", "attention_impl": "batched",
-      "max_position_embeddings": 2048})
+def _section(path: str, tokenizer: str = "") -> PolicyConfig:
+  return PolicyConfig(
+      source="hf", preset="tiny", path=path, seed=0, tokenizer=tokenizer,
+      dtype="float32", param_dtype="float32", remat="none",
+      attention_impl="batched", max_position_embeddings=2048)
 
 
 def test_an_hf_policy_reads_its_checkpoints_tokenizer(checkpoints):
@@ -56,7 +54,8 @@ def test_evaluation_reads_the_same_tokenizer_as_training(checkpoints):
   builder.update({"kind": "local", "path": checkpoints["policy"],
                   "max_new_tokens": 8})
   _, training = load_policy_and_tokenizer(_section(checkpoints["policy"]))
-  evaluation = make_chat_model(builder).tokenizer
+  evaluation = make_chat_model(
+      BuilderModelConfig.from_config(builder)).tokenizer
   messages = [{"role": "user", "content": "I moved to Lisbon in May."}]
   assert (evaluation.apply_chat_template(messages, tokenize=False)
           == training.apply_chat_template(messages, tokenize=False))

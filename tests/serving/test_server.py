@@ -21,7 +21,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from cmimem_jax.encoders import make_encoder
+from cmimem_jax.encoders import EncoderConfig, make_encoder
 from cmimem_jax.client import EndpointConfig, OpenAIClient
 from cmimem_jax.serving import Server
 from configs import eval_cpu, serve_cpu
@@ -94,11 +94,10 @@ def test_embeddings_equal_direct_encoder_and_openai_encoder(server):
 
 
 def _remote_encoder_section(url):
-  import ml_collections
-  return ml_collections.ConfigDict({
-      "kind": "openai", "dim": 32, "path": "", "query_instruction": "",
-      "endpoint": {"base_url": url, "model": "cmimem-local",
-                   "timeout_s": 30.0}})
+  return EncoderConfig(kind="openai", dim=32, query_instruction="",
+                       endpoint=EndpointConfig(base_url=url,
+                                               model="cmimem-local",
+                                               timeout_s=30.0))
 
 
 @pytest.mark.parametrize("body,fragment", [

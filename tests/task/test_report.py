@@ -4,11 +4,13 @@ entries a person can read, and the reward table."""
 from cmimem_jax.config import memory_defaults
 from cmimem_jax.encoders import HashingEncoder
 from cmimem_jax.memory import MemoryBank
+from cmimem_jax.memory.builder import MemoryConfig
 from cmimem_jax.task.episode import Episode
 from cmimem_jax.task.report import (reward_table, session_line,
                                     summary_text, written_memory)
 
 ENCODER = HashingEncoder(64)
+MEMORY = MemoryConfig.from_config(memory_defaults())
 RESPONSE = ("CORE:APPEND|Caroline is a counsellor\n"
             "EPISODIC:ADD|Caroline went to an LGBTQ support group on 7 May\n"
             "SEMANTIC:SKIP\nPROCEDURAL:SKIP")
@@ -23,7 +25,7 @@ def _episode(dialogue):
 
 def test_written_memory_lists_new_entries_by_type(locomo_dialogues):
   episode = _episode(locomo_dialogues[0])
-  lines = written_memory(episode, RESPONSE, ENCODER, memory_defaults())
+  lines = written_memory(episode, RESPONSE, ENCODER, MEMORY)
   assert lines == ["+ [core] Caroline is a counsellor",
                    "+ [episodic] Caroline went to an LGBTQ support group "
                    "on 7 May"]
@@ -31,7 +33,7 @@ def test_written_memory_lists_new_entries_by_type(locomo_dialogues):
   many = "\n".join([NO_CORE_CHANGE] + [f"EPISODIC:ADD|fact number {i}"
                                     for i in range(9)]
                    + ["SEMANTIC:SKIP", "PROCEDURAL:SKIP"])
-  lines = written_memory(episode, many, ENCODER, memory_defaults(),
+  lines = written_memory(episode, many, ENCODER, MEMORY,
                          max_lines=4)
   assert lines[:4] == [f"+ [episodic] fact number {i}" for i in range(4)]
   assert lines[4] == "  … and 5 more"
@@ -40,10 +42,10 @@ def test_written_memory_lists_new_entries_by_type(locomo_dialogues):
 def test_skip_only_and_invalid_responses_say_so(locomo_dialogues):
   episode = _episode(locomo_dialogues[0])
   skip = f"{NO_CORE_CHANGE}\nEPISODIC:SKIP\nSEMANTIC:SKIP\nPROCEDURAL:SKIP"
-  assert written_memory(episode, skip, ENCODER, memory_defaults()) == [
+  assert written_memory(episode, skip, ENCODER, MEMORY) == [
       "(nothing new)"]
   (line,) = written_memory(episode, "EPISODIC:FLY|x", ENCODER,
-                           memory_defaults())
+                           MEMORY)
   assert line.startswith("(invalid response, memory unchanged: ")
 
 

@@ -20,6 +20,7 @@ from cmimem_jax.encoders import HashingEncoder
 from cmimem_jax.evaluation.answering import MemoryContext
 from cmimem_jax.evaluation.judges import LLMJudge
 from cmimem_jax.memory import MemoryBank
+from cmimem_jax.memory.builder import MemoryConfig
 from cmimem_jax.memory.dsl import parse
 from cmimem_jax.task.episode import (Episode, RolloutScorer, apply_to_copy,
                                      score_rollouts, session_questions)
@@ -30,7 +31,7 @@ from cmimem_jax.testing.fake_openai import FakeOpenAI
 from cmimem_jax.testing.scripted_llm import ScriptedLLM
 
 ENCODER = HashingEncoder(64)
-MEMORY = memory_defaults()
+MEMORY = MemoryConfig.from_config(memory_defaults())
 
 
 def serial_scores(episodes, texts, group_size, qa, computer):
@@ -278,8 +279,7 @@ def test_scoring_needs_the_device_for_an_in_process_encoder_or_policy_edits(
               "endpoint": OpenAIEncoder.__new__(OpenAIEncoder),
               "in_process": TransformerEncoder.__new__(TransformerEncoder),
               "unsaid": object()}
-  memory = MEMORY.copy_and_resolve_references()
-  memory.update(edits)
+  memory = dataclasses.replace(MEMORY, **edits)
   assert scoring_needs_device(encoders[encoder], memory) is needs
 
 
