@@ -338,13 +338,21 @@ def validate_config(config: ml_collections.ConfigDict,
       problems.append(f"{kind.SECTION}: missing section")
       continue
     section = config[kind.SECTION] if kind.SECTION else config
-    before = len(problems)
     instance = _build(kind, section, kind.SECTION, problems)
-    if len(problems) == before:
+    # A section that breaks only its own rules still takes part in the
+    # rules across sections: every problem is listed at once.
+    if instance is not None:
       built[kind] = instance
   sections = Sections(built)
+  own_problems = bool(problems)
   for instance in built.values():
-    problems.extend(instance.invalid_with(sections))
+    try:
+      problems.extend(instance.invalid_with(sections))
+    except (ArithmeticError, TypeError, ValueError):
+      # A rule across sections reading a value its own rules refused
+      # (e.g. a zero divisor): that refusal is already listed.
+      if not own_problems:
+        raise
   if problems:
     raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
   return sections

@@ -472,7 +472,7 @@ def test_bad_numbers_are_rejected_before_anything_compiles(tmp_path,
                                "rl.learning_rate=nan"),
                               ({"rl.max_steps": -1}, "rl.max_steps=-1"),
                               ({"rl.kl_beta": -0.1}, "rl.kl_beta=-0.1"),
-                              ({"reward.mu": float("inf")}, "mu must be")):
+                              ({"reward.mu": float("inf")}, "reward.mu=inf: must be")):
     with pytest.raises(ConfigError, match=re.escape(fragment)):
       Trainer(tiny_config(**overrides), str(tmp_path))
   assert compiles.count == before

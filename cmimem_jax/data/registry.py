@@ -78,7 +78,7 @@ class DatasetConfig(Section):
 
 def configured_split(dataset: DatasetConfig, job: str) -> str:
   """The split a `dataset` config section selects for `job`."""
-  return getattr(dataset, "split", "") or default_split(dataset.name, job)
+  return dataset.split or default_split(dataset.name, job)
 
 
 def load_configured(dataset: DatasetConfig, job: str) -> list[Dialogue]:

@@ -2,8 +2,10 @@
 
 import pytest
 
+from cmimem_jax.config import unchecked
 from cmimem_jax.data import (LONGMEMEVAL_SPLITS, configured_split,
                              load_dataset, longmemeval_split_ids)
+from cmimem_jax.data.registry import DatasetConfig
 
 
 def test_bundled_split_ids_match_table_5():
@@ -25,8 +27,8 @@ def test_split_selection(longmemeval_sample_path, locomo_path):
     load_dataset("locomo", locomo_path, "test")
 
 
-class _Section(dict):
-  __getattr__ = dict.__getitem__
+def _Section(name: str, split: str = "") -> DatasetConfig:
+  return unchecked(DatasetConfig, name=name, path="", split=split)
 
 
 def test_defaults_per_job():

@@ -494,7 +494,7 @@ def test_on_policy_old_logprobs_give_ratio_one_and_verls_update():
   for a, b in zip(jax.tree.leaves(on_policy.params),
                   jax.tree.leaves(verl.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-  with pytest.raises(ValueError, match="old_logprobs must be one of"):
+  with pytest.raises(ValueError, match="old_logprobs='reference': must be one of"):
     GRPOLossConfig(old_logprobs="reference")
 
 

@@ -98,7 +98,12 @@ def test_offsets_by_incremental_decoding_equal_prefix_decoding(detokenizer):
       stripped, tokens)
 
 
-def test_offsets_of_a_6000_token_response_take_under_50_ms(detokenizer):
+def test_offsets_of_a_6000_token_response_beat_the_oracle_on_a_sixth(
+    detokenizer):
+  """Incremental offsets of 6,000 tokens take less than half the time the
+  prefix-decoding oracle takes for their first 1,000 (measured side by
+  side, so a loaded machine slows both: 25 ms against ~0.2 s on a quiet
+  one; the oracle takes 14 s for all 6,000)."""
   tokenizer, decode = detokenizer.tokenizer, detokenizer.decode
   text = (MULTIBYTE + "SEMANTIC:ADD|Rex - Pet: a 3-year-old beagle\n") * 200
   tokens = tokenizer.encode(text, add_special_tokens=False)[:6000]
@@ -108,9 +113,11 @@ def test_offsets_of_a_6000_token_response_take_under_50_ms(detokenizer):
     start = time.perf_counter()
     offsets = token_char_offsets(decode, tokens, detokenizer.decode_each)
     seconds.append(time.perf_counter() - start)
-  assert min(seconds) < 0.05, seconds
-  # Equal to the oracle (its first 1,000 tokens: 7 s for all 6,000).
-  assert offsets[:1000] == prefix_char_offsets(decode, tokens[:1000])
+  start = time.perf_counter()
+  oracle = prefix_char_offsets(decode, tokens[:1000])
+  oracle_s = time.perf_counter() - start
+  assert min(seconds) < 0.5 * oracle_s, (seconds, oracle_s)
+  assert offsets[:1000] == oracle
   assert offsets[-1][1] == len(decode(tokens))
 
 
