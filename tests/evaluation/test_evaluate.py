@@ -12,11 +12,11 @@ import pytest
 
 from cmimem_jax.config import (CallsFailed, ConfigError, apply_overrides,
                                check_failures, validate_config)
-from cmimem_jax.data import configured_split, load_locomo
+from cmimem_jax.data import load_locomo
 from cmimem_jax.data.files import write_json
 from cmimem_jax.evaluation.run import (EVALUATION_SECTIONS, evaluate,
-                                       failed_endpoints, file_sha256,
-                                       result_settings, text_metrics)
+                                       failed_endpoints, result_settings,
+                                       text_metrics)
 from cmimem_jax.testing.fake_openai import FakeOpenAI
 from configs import eval_cpu, paper, qwen3_4b_h20_vllm
 
@@ -196,57 +196,33 @@ def test_a_failed_builder_call_caches_no_bank_and_scores_nothing_on_it(
   assert os.path.exists(tmp_path / "banks" / "prompting" / "conv-26")
 
 
-def _settings_before_typed_sections(config) -> dict:
-  """`settings.json` as `result_settings` built it from the raw config
-  before the sections were typed (its code, kept as the reference)."""
-  def model(section, used):
-    if not used or section.kind == "none":
-      return None
-    if section.kind == "endpoint":
-      return {"kind": "endpoint", "model": section.endpoint.model,
-              "temperature": section.endpoint.temperature,
-              "max_tokens": section.endpoint.max_tokens}
-    return {"kind": "local", "path": section.path,
-            "init_checkpoint": section.init_checkpoint,
-            "checkpoint_step": section.checkpoint_step,
-            "max_new_tokens": section.max_new_tokens,
-            "constrained_dsl": section.constrained_dsl}
-  llm_judge = config.judge.kind == "llm"
-  settings = {
-      "dataset": config.dataset.name,
-      "dataset_file": os.path.basename(config.dataset.path),
-      "dataset_sha256": file_sha256(config.dataset.path),
-      "split": configured_split(config.dataset, "evaluate"),
-      "method": config.method,
-      "rag_top_k": config.rag_top_k if config.method == "rag" else None,
-      "encoder": config.encoder.to_dict(), "memory": config.memory.to_dict(),
-      "judge": {"kind": config.judge.kind, "prompt": config.judge.prompt,
-                "model": config.judge.endpoint.model if llm_judge else None},
-      "answer": model(config.answer, llm_judge),
-      "builder": model(config.builder, config.method != "rag")}
-  return json.loads(json.dumps(settings))
+# settings.json as the raw config gave it before the sections were typed,
+# one file per case below (the path of the case's tmp folder as `<tmp>`).
+SETTINGS_GOLDEN = os.path.join(os.path.dirname(__file__), "settings_golden")
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    {"method": "prompting", "judge.kind": "llm", "answer.kind": "endpoint",
-     "memory.update_match_threshold": 1, "encoder.dim": 128},
-    {"method": "policy", "builder.kind": "local", "builder.path": "/m.gguf",
-     "memory.merge_summarizer": "external",
-     "memory.summarizer_endpoint.model": "summarizer"},
-    "paper encoder", "openai encoder"], ids=str)
+@pytest.mark.parametrize("case,overrides", [
+    ("rag", {}),
+    ("prompting_llm_judge",
+     {"method": "prompting", "judge.kind": "llm", "answer.kind": "endpoint",
+      "memory.update_match_threshold": 1, "encoder.dim": 128}),
+    ("policy_external_summarizer",
+     {"method": "policy", "builder.kind": "local", "builder.path": "/m.gguf",
+      "memory.merge_summarizer": "external",
+      "memory.summarizer_endpoint.model": "summarizer"}),
+    ("paper_encoder", None), ("openai_encoder", None)])
 def test_settings_json_is_byte_identical_to_the_untyped_configs(
-    locomo_path, tmp_path, overrides):
+    locomo_path, tmp_path, case, overrides):
   """A workdir's `settings.json` is what a resumed evaluation compares:
   built from the typed sections it is byte for byte what the raw config
-  gave (keys sorted, an encoder field the config leaves out left out, a
-  nested endpoint as given), so a run started before the
-  sections were typed resumes."""
+  gave (`settings_golden/`, written by the code before the sections were
+  typed: keys sorted, an encoder field the config leaves out left out, a
+  nested endpoint as given), so a run started before then resumes."""
   config = eval_config(locomo_path)
-  if overrides == "paper encoder":  # A query instruction, no endpoint.
+  if case == "paper_encoder":  # A query instruction, no endpoint.
     config.encoder = paper.encoder()
     config.encoder.path = str(tmp_path)  # A checkpoint folder.
-  elif overrides == "openai encoder":  # A nested endpoint section.
+  elif case == "openai_encoder":  # A nested endpoint section.
     config.encoder = qwen3_4b_h20_vllm.get_config().encoder
   else:
     for key, value in overrides.items():
@@ -257,10 +233,11 @@ def test_settings_json_is_byte_identical_to_the_untyped_configs(
       with node.ignore_type():  # An int where the file has a float.
         node[leaf] = value
   sections = validate_config(config, required=EVALUATION_SECTIONS)
-  typed, untyped = tmp_path / "typed.json", tmp_path / "untyped.json"
-  write_json(str(typed), result_settings(sections))
-  write_json(str(untyped), _settings_before_typed_sections(config))
-  assert typed.read_bytes() == untyped.read_bytes()
+  written = tmp_path / "settings.json"
+  write_json(str(written), result_settings(sections))
+  with open(os.path.join(SETTINGS_GOLDEN, f"{case}.json"), "rb") as golden:
+    assert written.read_bytes().replace(str(tmp_path).encode(),
+                                        b"<tmp>") == golden.read()
 
 
 def test_bad_config_is_reported_before_work(locomo_path, tmp_path):
