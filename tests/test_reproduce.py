@@ -90,7 +90,8 @@ def _retrieved(dialogue: str, lists: list[list[str]], chars: int | None
 def test_a_policy_retrieving_one_list_for_most_questions_is_flagged():
   """Round five's CMI-alone arm on conv-49: every question retrieved the
   same list. Distinct lists and the most common list's share per
-  dialogue; more than half on one list is degenerate."""
+  dialogue; more than half on one list, or fewer distinct lists than a
+  tenth of the questions, is degenerate."""
   same = [["e1", "e4", "e7"]] * 3 + [["e2"]]
   varied = [["e1"], ["e2"], ["e3"], ["e1", "e2"]]
   records = {"rl_cmi_only": {**_retrieved("conv-49", same, 150_000),
@@ -106,6 +107,16 @@ def test_a_policy_retrieving_one_list_for_most_questions_is_flagged():
   assert rows["rl_cmi_only", "conv-50"]["mean_context_chars"] is None
   assert not rows["rl_cmi_only", "conv-50"]["degenerate"]
   assert rows["rl", "conv-49"]["distinct_lists"] == 4
+  # Round eight's CMI-alone arm on conv-49: 3 lists for 196 questions, the
+  # most common on 46 %: fewer lists than a tenth of the questions.
+  few = [["e1"], ["e2"], ["e3"]] * 13 + [["e1"]]
+  (few_lists,) = reproduce.retrieval_rows(
+      {"rl_cmi_only": _retrieved("conv-49", few, 900)})
+  assert few_lists["top_list_share"] < 0.5 and few_lists["degenerate"]
+  (many,) = reproduce.retrieval_rows(
+      {"rl": _retrieved("conv-49", few[:9] + [[f"x{i}"] for i in range(31)],
+                        900)})
+  assert many["distinct_lists"] == 34 and not many["degenerate"]
   text = "\n".join(reproduce.retrieval_section(records, ""))
   assert "| rl_cmi_only | conv-49 | 4 | 2 | 75% | 150,002 | **yes** |" in text
   assert "| rl_cmi_only | conv-50 | 4 | 4 | 25% | — | no |" in text
