@@ -33,6 +33,11 @@ MEMORY_EDITORS = ("none", "policy", "answer")
 class ConfigError(ValueError):
   """An invalid config; the message lists every problem found."""
 
+  @classmethod
+  def listing(cls, problems: Sequence[str]) -> ConfigError:
+    """The error for `problems`, one per line."""
+    return cls("invalid config:\n  " + "\n  ".join(problems))
+
 
 class MissingDependency(ImportError):
   """An optional package that a chosen setting needs is not installed; the
@@ -161,7 +166,7 @@ class Section:
                    collected)
     if len(collected) > before:
       if problems is None:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(collected))
+        raise ConfigError.listing(collected)
       return None
     return built
 
@@ -354,7 +359,7 @@ def validate_config(config: ml_collections.ConfigDict,
       if not own_problems:
         raise
   if problems:
-    raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    raise ConfigError.listing(problems)
   return sections
 
 
